@@ -1,0 +1,81 @@
+"""Shared plumbing for experiment scripts: run metadata, timing, and writing JSON + markdown results."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_commit() -> str:
+    """The commit being measured: $DDTREE_COMMIT (set when the tree travels without .git), else git HEAD."""
+    if os.environ.get("DDTREE_COMMIT"):
+        return os.environ["DDTREE_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def metadata() -> dict[str, Any]:
+    """Device, jax version, commit and UTC date for a result record."""
+    dev = jax.devices()[0]
+    return {
+        "device": getattr(dev, "device_kind", str(dev)),
+        "backend": jax.default_backend(),
+        "num_devices": jax.device_count(),
+        "jax_version": jax.__version__,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10) -> float:
+    """Median wall time in seconds of `fn()` (its outputs blocked on), after `warmup` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, records: Sequence[dict[str, Any]], columns: Sequence[str],
+                  out_dir: str | Path | None = None, extra: dict[str, Any] | None = None) -> Path:
+    """Write `<name>.json` (metadata + records) and `<name>.md` (metadata line + table); returns the JSON path."""
+    out = Path(out_dir) if out_dir else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    meta = metadata()
+    payload = {"meta": meta, **(extra or {}), "records": list(records)}
+    json_path = out / f"{name}.json"
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=float))
+    tmp.replace(json_path)
+    head = ", ".join(f"{k}: {v}" for k, v in meta.items())
+    (out / f"{name}.md").write_text(f"# {name}\n\n{head}\n\n{markdown_table(records, columns)}\n")
+    return json_path
