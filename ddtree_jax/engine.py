@@ -1,0 +1,297 @@
+"""The whole generation as one jit-compiled XLA program: prefill, then a `lax.while_loop` of rounds.
+
+Methods share caches and kernels so comparisons are fair:
+  * `ar`     - one target step per round.
+  * `dflash` - draft one block, verify the greedy chain (a tree whose node i has parent i - 1).
+  * `ddtree` - draft one block, build the best `budget`-node tree on device, verify it with the ancestor mask,
+               walk it, commit the accepted path and compact the latent cache.
+
+Invariants at the top of a round, per row b:
+  out[b, :n_out]   generated tokens; out[b, n_out-1] == root[b] (the bonus token, not yet in the target cache)
+  start[b]         target cache length == position of root == prompt_len + n_out - 1
+  ctx_len[b] + pend_count[b] == start[b]; pend_feats hold the target features of the pending positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ddtree_jax import tree as ddtree
+from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache
+from ddtree_jax.models.kimi import KimiForCausalLM, LatentCache
+from ddtree_jax.sampling import sample
+
+METHODS = ("ar", "dflash", "ddtree")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenSpec:
+    """Static shape and method parameters: one compiled program per distinct GenSpec."""
+
+    method: str
+    batch: int
+    prompt_len: int  # padded prompt length P
+    max_new_tokens: int
+    budget: int = 16  # non-root tree nodes (ddtree); the chain uses D
+    temperature: float = 0.0
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method {self.method!r} not one of {METHODS}")
+        if self.budget < 1 or self.max_new_tokens < 1 or self.batch < 1 or self.prompt_len < 1:
+            raise ValueError(f"invalid GenSpec {self}")
+
+
+class LoopState(NamedTuple):
+    out: jax.Array  # [B, max_new + D + 1] int32 generated tokens
+    n_out: jax.Array  # [B] int32
+    start: jax.Array  # [B] int32
+    root: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+    cache: LatentCache
+    dcache: DrafterCache | None
+    ctx_len: jax.Array  # [B] int32 drafter cache length
+    pend_feats: jax.Array | None  # [B, D+1, K*H]
+    pend_count: jax.Array  # [B] int32
+    key: jax.Array
+    rounds: jax.Array  # [B] int32 rounds in which the row was active
+    accept_hist: jax.Array  # [B, D+2] int32 histogram of tokens committed per round (tau)
+
+
+class GenOut(NamedTuple):
+    tokens: jax.Array  # [B, max_new + D + 1]; row b valid up to n_out[b]
+    n_out: jax.Array  # [B]
+    rounds: jax.Array  # [B]
+    accept_hist: jax.Array  # [B, D+2]
+
+
+def num_draft(drafter: DFlashDrafter | None) -> int:
+    return drafter.config.num_draft if drafter is not None else 0
+
+
+def tree_size(spec: GenSpec, draft_len: int) -> int:
+    """T: tokens verified per round (root + nodes)."""
+    if spec.method == "ar":
+        return 1
+    return 1 + (draft_len if spec.method == "dflash" else spec.budget)
+
+
+def cache_capacity(spec: GenSpec, draft_len: int) -> int:
+    """Slots needed in the target cache: prompt + generated + one verify block, plus one slot of slack."""
+    return spec.prompt_len + spec.max_new_tokens + tree_size(spec, draft_len) + 1
+
+
+def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+    if not stop_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
+
+
+def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x `[B, N, ...]`, idx `[B, M]` -> `[B, M, ...]`."""
+    return jax.vmap(lambda a, i: a[i])(x, idx)
+
+
+def compact_cache(cache: LatentCache, start: jax.Array, path: jax.Array) -> LatentCache:
+    """Move the accepted tree entries to sit contiguously: cache[b, start+j] = cache[b, start+path[b, j]].
+
+    path `[B, M]` is strictly increasing on its valid prefix (padding repeats entries past tau; what lands past
+    start + tau is garbage beyond the valid length and is overwritten next round).
+    """
+    b, m = path.shape
+    rows = jnp.arange(b)[:, None]
+    src = start[:, None] + path
+    dst = start[:, None] + jnp.arange(m)[None, :]
+    return [c.at[rows, dst].set(c[rows, src], mode="drop") for c in cache]
+
+
+def _commit(spec: GenSpec, s: LoopState, new_tokens: jax.Array, tau: jax.Array):
+    """Append up to tau of `new_tokens [B, M]` to `out`, truncating at a stop token or max_new_tokens.
+
+    Returns (out, n_out, done, n_new) for active rows; frozen rows keep their values.
+    """
+    m = new_tokens.shape[1]
+    j = jnp.arange(m)[None, :]
+    within = j < tau[:, None]
+    stop = _is_stop(new_tokens, spec.stop_ids) & within
+    first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, m + 1)
+    room = spec.max_new_tokens - s.n_out
+    n_new = jnp.minimum(jnp.minimum(tau, first_stop), room)
+    n_new = jnp.where(s.done, 0, n_new)
+    slot = jnp.where(j < n_new[:, None], s.n_out[:, None] + j, s.out.shape[1])
+    out = s.out.at[jnp.arange(s.out.shape[0])[:, None], slot].set(new_tokens, mode="drop")
+    n_out = s.n_out + n_new
+    done = s.done | (first_stop <= n_new) | (n_out >= spec.max_new_tokens)
+    return out, n_out, done, n_new
+
+
+def prefill(
+    target: KimiForCausalLM,
+    drafter: DFlashDrafter | None,
+    spec: GenSpec,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    key: jax.Array,
+) -> LoopState:
+    """prompts `[B, P]` right-padded, prompt_len `[B]` -> the loop state after the first generated token."""
+    b, p = prompts.shape
+    d = num_draft(drafter)
+    cap = cache_capacity(spec, d)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    feature_layers = drafter.config.target_layer_ids if drafter is not None else ()
+    zeros = jnp.zeros((b,), jnp.int32)
+    fwd = target(prompts, positions, target.init_cache(b, cap), zeros, feature_layers=feature_layers, naive=True)
+    last = _gather_rows(fwd.hidden, (prompt_len - 1)[:, None])[:, 0]
+    key, sub = jax.random.split(key)
+    first = sample(target.logits(last), sub, spec.temperature)
+    out = jnp.zeros((b, spec.max_new_tokens + d + 1), jnp.int32).at[:, 0].set(first)
+    done = _is_stop(first, spec.stop_ids) | (spec.max_new_tokens <= 1)
+    dcache, pend_feats = None, None
+    if drafter is not None:
+        dcache = drafter.append_context(drafter.init_cache(b, cap), fwd.features, positions, zeros)
+        pend_feats = jnp.zeros((b, d + 1, fwd.features.shape[-1]), fwd.features.dtype)
+    return LoopState(
+        out=out,
+        n_out=jnp.ones((b,), jnp.int32),
+        start=prompt_len.astype(jnp.int32),
+        root=first,
+        done=done,
+        cache=fwd.cache,
+        dcache=dcache,
+        ctx_len=prompt_len.astype(jnp.int32),
+        pend_feats=pend_feats,
+        pend_count=zeros,
+        key=key,
+        rounds=zeros,
+        accept_hist=jnp.zeros((b, d + 2), jnp.int32),
+    )
+
+
+def _finish_round(spec: GenSpec, s: LoopState, new_tokens, tau, bonus, cache, **updates) -> LoopState:
+    """Commit, advance positions for active rows, record stats."""
+    out, n_out, done, _ = _commit(spec, s, new_tokens, tau)
+    active = ~s.done
+    tau_a = jnp.where(active, tau, 0)
+    hist = s.accept_hist.at[jnp.arange(tau.shape[0]), tau].add(active.astype(jnp.int32))
+    return s._replace(
+        out=out,
+        n_out=n_out,
+        done=done,
+        start=s.start + tau_a,
+        root=jnp.where(active, bonus, s.root),
+        cache=cache,
+        rounds=s.rounds + active.astype(jnp.int32),
+        accept_hist=hist,
+        **updates,
+    )
+
+
+def ar_round(target: KimiForCausalLM, spec: GenSpec, s: LoopState) -> LoopState:
+    """One autoregressive step for every row."""
+    key, sub = jax.random.split(s.key)
+    fwd = target(s.root[:, None], s.start[:, None], s.cache, s.start)
+    nxt = sample(target.logits(fwd.hidden[:, 0]), sub, spec.temperature)
+    tau = jnp.ones_like(nxt)
+    return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, key=key)
+
+
+def draft(target: KimiForCausalLM, drafter: DFlashDrafter, s: LoopState) -> tuple[jax.Array, DrafterCache]:
+    """Flush pending context features into the drafter cache, then draft one block -> logits `[B, D, V]`."""
+    c = drafter.config
+    b = s.root.shape[0]
+    pend_pos = s.ctx_len[:, None] + jnp.arange(s.pend_feats.shape[1])[None, :]
+    dcache = drafter.append_context(s.dcache, s.pend_feats, pend_pos, s.ctx_len)
+    ctx_len = s.ctx_len + s.pend_count
+    block = jnp.full((b, c.block_size), c.mask_token_id, jnp.int32).at[:, 0].set(s.root)
+    positions = s.start[:, None] + jnp.arange(c.block_size)[None, :]
+    hidden = drafter(target.embed(block), positions, dcache, ctx_len)
+    return target.logits(hidden[:, 1:]) * c.output_multiplier, dcache
+
+
+def build_trees(spec: GenSpec, draft_logits: jax.Array, root: jax.Array) -> ddtree.Tree:
+    """Per-row tree from draft logits `[B, D, V]`: the greedy chain (dflash) or the best-`budget` tree (ddtree)."""
+    if spec.method == "dflash":
+        return jax.vmap(ddtree.chain_tree)(draft_logits, root)
+    return jax.vmap(lambda lg, r: ddtree.build_tree(lg, r, spec.budget))(draft_logits, root)
+
+
+def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s: LoopState) -> LoopState:
+    """draft -> tree -> verify -> walk -> commit + compact, for every row."""
+    d = drafter.config.num_draft
+    key, sub = jax.random.split(s.key)
+    draft_logits, dcache = draft(target, drafter, s)
+    tree = build_trees(spec, draft_logits, s.root)
+    mask = jax.vmap(lambda t: ddtree.ancestor_mask(t, d))(tree)
+    positions = s.start[:, None] + tree.depth
+    fwd = target(tree.tokens, positions, s.cache, s.start, mask, feature_layers=drafter.config.target_layer_ids)
+    post = sample(target.logits(fwd.hidden), sub, spec.temperature)  # [B, T]: one target draw per node
+    path, tau, bonus = jax.vmap(lambda t, p: ddtree.follow_verified_tree(t, p, d))(tree, post)
+    path = jnp.maximum(path, 0)
+    # Emitted this round: the accepted nodes after the root, then the bonus token.
+    accepted = _gather_rows(tree.tokens, jnp.concatenate([path[:, 1:], path[:, :1]], axis=1))
+    new_tokens = jnp.where(jnp.arange(d + 1)[None, :] == (tau - 1)[:, None], bonus[:, None], accepted)
+    active = ~s.done
+    cache = compact_cache(fwd.cache, s.start, jnp.where(active[:, None], path, jnp.arange(d + 1)[None, :]))
+    return _finish_round(
+        spec,
+        s,
+        new_tokens,
+        tau,
+        bonus,
+        cache,
+        key=key,
+        dcache=dcache,
+        ctx_len=jnp.where(active, s.ctx_len + s.pend_count, s.ctx_len),
+        pend_feats=_gather_rows(fwd.features, path),
+        pend_count=jnp.where(active, tau, 0),
+    )
+
+
+def generate(
+    target: KimiForCausalLM,
+    drafter: DFlashDrafter | None,
+    spec: GenSpec,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    key: jax.Array,
+) -> GenOut:
+    """Prefill + rounds until every row hit max_new_tokens or a stop token. Pure; jit it (see `compile_generate`)."""
+    s = prefill(target, drafter, spec, prompts, prompt_len, key)
+
+    def body(st: LoopState) -> LoopState:
+        if spec.method == "ar":
+            return ar_round(target, spec, st)
+        return spec_round(target, drafter, spec, st)
+
+    s = jax.lax.while_loop(lambda st: ~jnp.all(st.done), body, s)
+    return GenOut(s.out, s.n_out, s.rounds, s.accept_hist)
+
+
+def compile_generate(target: KimiForCausalLM, drafter: DFlashDrafter | None, spec: GenSpec):
+    """AOT-compile `generate` for `spec`: returns (compiled, target_state, drafter_state).
+
+    Call as `compiled(target_state, drafter_state, prompts, prompt_len, key)`.
+    """
+    if spec.method != "ar" and drafter is None:
+        raise ValueError(f"method {spec.method!r} needs a drafter")
+    tg, ts = nnx.split(target)
+    dg, ds = nnx.split(drafter) if drafter is not None else (None, None)
+
+    def run(t_state, d_state, prompts, prompt_len, key):
+        t = nnx.merge(tg, t_state)
+        d = nnx.merge(dg, d_state) if dg is not None else None
+        return generate(t, d, spec, prompts, prompt_len, key)
+
+    shapes = (
+        jax.ShapeDtypeStruct((spec.batch, spec.prompt_len), jnp.int32),
+        jax.ShapeDtypeStruct((spec.batch,), jnp.int32),
+        jax.eval_shape(lambda: jax.random.key(0)),
+    )
+    compiled = jax.jit(run).lower(ts, ds, *shapes).compile()
+    return compiled, ts, ds

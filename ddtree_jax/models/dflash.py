@@ -1,0 +1,122 @@
+"""DFlash block-diffusion drafter in Flax NNX (dflash_ddtree.md §1).
+
+Qwen3-style layers (GQA with q_norm/k_norm, rotate-half YaRN RoPE, SwiGLU) conditioned on target features:
+features of `target_layer_ids` -> `fc` -> `hidden_norm` -> projected once per committed token into every layer's
+context K/V (one fused GEMM for all layers: `kv_proj [layers, 2, H, kv_heads*head_dim]`). A block
+`[anchor, mask x (B-1)]` is embedded with the target's embedding and attends bidirectionally to itself and to
+the cached context; the target's lm_head turns its outputs 1..B-1 into draft logits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ddtree_jax.config import DFlashConfig
+from ddtree_jax.models.kimi import DenseMLP, _normal, _ones
+from ddtree_jax.models.layers import rms_norm, rope_half, yarn_inv_freq
+
+
+class DrafterCache(NamedTuple):
+    """Projected context K/V for every drafter layer: k, v `[layers, B, L, kv_heads, head_dim]` (k normed+roped)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class DFlashLayer(nnx.Module):
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        h, nh, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.input_layernorm = _ones((h,), dtype)
+        self.post_attention_layernorm = _ones((h,), dtype)
+        self.q_proj = _normal(rngs, (h, nh * hd), dtype)
+        self.o_proj = _normal(rngs, (nh * hd, h), dtype)
+        self.q_norm = _ones((hd,), dtype)
+        self.k_norm = _ones((hd,), dtype)
+        self.mlp = DenseMLP(h, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+
+
+class DFlashDrafter(nnx.Module):
+    """The drafter. Embedding and lm_head are the target's and are passed in, never stored here."""
+
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        self.config = cfg
+        h, kvd = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+        self.fc = _normal(rngs, (len(cfg.target_layer_ids) * h, h), dtype)
+        self.hidden_norm = _ones((h,), dtype)
+        self.kv_proj = _normal(rngs, (cfg.num_hidden_layers, 2, h, kvd), dtype)
+        self.layers = nnx.List([DFlashLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
+        self.norm = _ones((h,), dtype)
+
+    @property
+    def dtype(self):
+        return self.fc[...].dtype
+
+    def init_cache(self, batch: int, max_len: int) -> DrafterCache:
+        c = self.config
+        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
+        return DrafterCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        c = self.config
+        return rope_half(x, positions, yarn_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                         c.yarn_attention_factor)
+
+    def _split_heads(self, x: jax.Array, heads: int) -> jax.Array:
+        return x.reshape(*x.shape[:-1], heads, self.config.head_dim)
+
+    def context_kv(self, features: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Target features `[B, C, K*H]` at `positions [B, C]` -> (k, v) `[layers, B, C, kv_heads, head_dim]`."""
+        c = self.config
+        hc = rms_norm(jnp.dot(features, self.fc[...]), self.hidden_norm[...], c.rms_norm_eps)
+        kv = jnp.einsum("bch,lthd->ltbcd", hc, self.kv_proj[...], preferred_element_type=jnp.float32)
+        kv = self._split_heads(kv.astype(hc.dtype), c.num_key_value_heads)  # [layers, 2, B, C, kvh, hd]
+        k_norm = jnp.stack([layer.k_norm[...] for layer in self.layers])[:, None, None, None, :]
+        k = self._rope(rms_norm(kv[:, 0], k_norm, c.rms_norm_eps), positions[None])
+        return k, kv[:, 1]
+
+    def append_context(
+        self, cache: DrafterCache, features: jax.Array, positions: jax.Array, cache_len: jax.Array
+    ) -> DrafterCache:
+        """Project `features [B, C, K*H]` and write them at slots `cache_len[b] + j` (rows past a row's valid count
+        land beyond its length and are overwritten later)."""
+        k, v = self.context_kv(features, positions)
+        b, n = features.shape[:2]
+        rows = jnp.arange(b)[:, None]
+        slots = cache_len[:, None] + jnp.arange(n)[None, :]
+        return DrafterCache(
+            cache.k.at[:, rows, slots].set(k.astype(cache.k.dtype), mode="drop"),
+            cache.v.at[:, rows, slots].set(v.astype(cache.v.dtype), mode="drop"),
+        )
+
+    def __call__(
+        self, block_embeds: jax.Array, positions: jax.Array, cache: DrafterCache, cache_len: jax.Array
+    ) -> jax.Array:
+        """block_embeds `[B, S, H]` (target embedding of [anchor, mask...]) at `positions [B, S]`, attending to the
+        context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`."""
+        c = self.config
+        nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        x = block_embeds * c.input_embedding_scale
+        b, s, _ = x.shape
+        ctx_visible = jnp.arange(cache.k.shape[2])[None, :] < cache_len[:, None]  # [B, L]
+        visible = jnp.concatenate([ctx_visible, jnp.ones((b, s), bool)], axis=1)[:, None, None, None, :]
+        for i, layer in enumerate(self.layers):
+            a = rms_norm(x, layer.input_layernorm[...], c.rms_norm_eps)
+            q = self._split_heads(jnp.dot(a, layer.q_proj[...]), nh)
+            q = self._rope(rms_norm(q, layer.q_norm[...], c.rms_norm_eps), positions)
+            kb = self._split_heads(jnp.dot(a, self.kv_proj[i, 0]), kvh)
+            kb = self._rope(rms_norm(kb, layer.k_norm[...], c.rms_norm_eps), positions)
+            vb = self._split_heads(jnp.dot(a, self.kv_proj[i, 1]), kvh)
+            keys = jnp.concatenate([cache.k[i], kb], axis=1)  # [B, L+S, kvh, hd]
+            vals = jnp.concatenate([cache.v[i], vb], axis=1)
+            qg = q.reshape(b, s, kvh, nh // kvh, hd)
+            sc = jnp.einsum("bskgd,blkd->bkgsl", qg, keys, preferred_element_type=jnp.float32) * hd**-0.5
+            p = jax.nn.softmax(jnp.where(visible, sc, -jnp.inf), axis=-1).astype(vals.dtype)
+            o = jnp.einsum("bkgsl,blkd->bskgd", p, vals, preferred_element_type=jnp.float32)
+            o = o.astype(x.dtype).reshape(b, s, nh * hd)
+            x = x + jnp.dot(o, layer.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype)
+            x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm[...], c.rms_norm_eps))
+        return rms_norm(x, self.norm[...], c.rms_norm_eps)

@@ -1,0 +1,55 @@
+"""Shared test fixtures: tiny Kimi configs in both layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from ddtree_jax.config import KimiConfig, QuantConfig, YarnConfig
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def tiny_kimi_config(layout: str = "flat", quantized: bool = True, **overrides) -> KimiConfig:
+    """A 3-layer Kimi-shaped config (1 dense + 2 MoE layers) small enough for CPU tests."""
+    cfg = KimiConfig(
+        vocab_size=97,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        routed_scaling_factor=2.827,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        rope_theta=50000.0,
+        rope_scaling=YarnConfig(factor=64.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+                                mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        quant=QuantConfig(group_size=32) if quantized else None,
+        layout=layout,
+        model_type="kimi_k2",
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        pad_token_id=0,
+    )
+    return dataclasses.replace(cfg, **overrides)
+
+
+@pytest.fixture
+def tiny_cfg() -> KimiConfig:
+    return tiny_kimi_config()
