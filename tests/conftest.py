@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import pytest
@@ -53,3 +54,14 @@ def tiny_kimi_config(layout: str = "flat", quantized: bool = True, **overrides) 
 @pytest.fixture
 def tiny_cfg() -> KimiConfig:
     return tiny_kimi_config()
+
+
+SPEC_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "spec" / "configs"
+
+
+@pytest.fixture
+def spec_configs() -> Path:
+    """../shared/spec/configs beside the checkout (CI lays shared/ beside the clone)."""
+    if not SPEC_CONFIGS.is_dir():
+        pytest.fail(f"reference configs not found at {SPEC_CONFIGS}")
+    return SPEC_CONFIGS
