@@ -1,0 +1,89 @@
+"""`ddtree-inspect` / `sizing.model_sizes` on the real K2.6 and K2-Thinking configs (kimi_k2.md §4, §8)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddtree_jax.config import load_kimi_config
+from ddtree_jax.sizing import model_sizes
+
+CONFIGS = Path("/work/shared/spec/configs")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def spec_numbers() -> dict[str, int]:
+    """Written out from the spec's tables: 61 layers (1 dense + 60 MoE), 384 experts, top-8, vocab 163,840."""
+    hidden, vocab, layers, moe_layers = 7168, 163840, 61, 60
+    attn = (
+        1536 * 7168  # q_a_proj
+        + 1536  # q_a_layernorm
+        + 12288 * 1536  # q_b_proj
+        + 576 * 7168  # kv_a_proj_with_mqa
+        + 512  # kv_a_layernorm
+        + 16384 * 512  # kv_b_proj
+        + 7168 * 8192  # o_proj
+    )
+    assert attn == 101_124_096  # "101.1M params/layer"
+    expert = 2 * 2048 * 7168 + 7168 * 2048
+    assert expert == 44_040_192  # kimi_k2.md §4
+    expert_bytes = expert // 2 + expert // 32 * 2  # int4 + bf16 scale per 32 inputs
+    norms = 2 * hidden * layers + hidden
+    dense = 3 * 18432 * 7168
+    shared = 3 * 2048 * 7168 * moe_layers
+    router, bias = 384 * 7168 * moe_layers, 384 * moe_layers
+    embed = lm_head = vocab * hidden
+    bf16 = attn * layers + norms + dense + shared + router + lm_head
+    return {
+        "total_params": bf16 + embed + bias + 384 * expert * moe_layers,
+        "active_params_per_token": bf16 + bias + 8 * expert * moe_layers,
+        "weight_bytes": 2 * (bf16 + embed) + 4 * bias + 384 * moe_layers * expert_bytes,
+        "kv_cache_bytes_per_token": 576 * 2 * layers,
+        "decode_bytes_per_token": 2 * bf16 + 4 * bias + 8 * moe_layers * expert_bytes,
+        "decode_fixed_bytes": 2 * bf16 + 4 * bias,
+        "expert_bytes": expert_bytes,
+    }
+
+
+@pytest.mark.parametrize("name", ["kimi-k2.6", "kimi-k2-thinking"])
+def test_model_sizes_real_configs(name):
+    got = model_sizes(load_kimi_config(CONFIGS / name))
+    assert got == spec_numbers()
+    # The spec's rounded figures (§4, §5, §8).
+    assert round(got["total_params"] / 1e9, 1) == 1026.4
+    assert 31e9 < got["active_params_per_token"] < 33e9
+    assert got["expert_bytes"] == 24_772_608
+    assert round(got["weight_bytes"] / 1e9) == 594
+    assert got["kv_cache_bytes_per_token"] == 70_272
+    assert round(got["decode_bytes_per_token"] / 1e9, 1) == 33.0
+    assert round(got["decode_fixed_bytes"] / 1e9, 1) == 21.1
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddtree_jax.inspect", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_prints_json():
+    out = _cli(f"--target={CONFIGS / 'kimi-k2.6'}")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == spec_numbers()
+
+
+def test_cli_malformed_config(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"model_type": "kimi_k2", "hidden_size": 7168}))
+    out = _cli(f"--target={tmp_path}")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and str(bad) in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
