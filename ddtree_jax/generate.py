@@ -1,0 +1,183 @@
+"""`ddtree-generate`: batch generation from a JSON Lines prompts file.
+
+    ddtree-generate --target=K2.6 --drafter=K2.6-DFlash --prompts=in.jsonl --output=out.jsonl
+
+Everything that can be checked (flags, configs, tokenizer, prompts, lengths) is checked before any weight is
+loaded; bad input is a one-line `error:` with exit code 2. Each finished batch is written to --output at once
+(atomically), in input order; --resume skips ids already there.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from absl import app, flags, logging
+
+from ddtree_jax.config import DFlashConfig, check_pair, load_dflash_config, load_kimi_config
+from ddtree_jax.errors import UserError, cli_main, parse_flags
+from ddtree_jax.prompts import OutputWriter, Prompt, check_lengths, read_prompts
+from ddtree_jax.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", None, "Target checkpoint directory (Kimi K2 family).")
+flags.DEFINE_string("drafter", None, "DFlash drafter checkpoint directory (needed by dflash and ddtree).")
+flags.DEFINE_enum("method", "ddtree", ["ar", "dflash", "ddtree"], "Decoding method.")
+flags.DEFINE_integer("budget", 16, "DDTree node budget per round.")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate per prompt.")
+flags.DEFINE_string("prompts", None, 'JSON Lines: {"id", "prompt": text} or {"id", "prompt_ids": [...]}.')
+flags.DEFINE_string("output", None, "JSON Lines results, in input order.")
+flags.DEFINE_integer("batch_size", 8, "Prompts per batch.")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Activation / weight dtype.")
+flags.DEFINE_bool("ignore_eos", False, "Generate max_new_tokens even past a stop token.")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_bool("resume", False, "Keep the existing --output and skip the ids already in it.")
+flags.DEFINE_bool("chat", False, "Wrap text prompts in the checkpoint's chat format.")
+flags.DEFINE_string("mesh", None, "Device mesh spec, passed to the engine as is.")
+flags.mark_flags_as_required(["target", "prompts", "output"])
+
+# A tree accepts at most block_size tokens per round whatever its size, while verify cost grows with it.
+BUDGET_WARN = 512
+
+
+def validate_flags() -> None:
+    """Flag values that need no file; raises `UserError`."""
+    for name, low in (("budget", 1), ("batch_size", 1), ("max_new_tokens", 1)):
+        if FLAGS[name].value < low:
+            raise UserError(f"--{name} must be >= {low}, got {FLAGS[name].value}")
+    if not 0 <= FLAGS.temperature < math.inf:
+        raise UserError(f"--temperature must be finite and >= 0 (0 = greedy), got {FLAGS.temperature}")
+    if FLAGS.method != "ar" and not FLAGS.drafter:
+        raise UserError(f"--method={FLAGS.method} needs --drafter")
+    out = Path(FLAGS.output)
+    if out.is_dir():
+        raise UserError(f"--output {out} is a directory")
+    if not out.absolute().parent.is_dir():
+        raise UserError(f"--output directory {out.absolute().parent} does not exist")
+    if out.resolve() == Path(FLAGS.prompts).resolve():
+        raise UserError(f"--output {out} is the prompts file")
+
+
+def draft_slots(method: str, drafter: DFlashConfig | None) -> int:
+    """Positions a round may reach past the last committed token: the tree depth D = block_size - 1."""
+    return 0 if method == "ar" or drafter is None else drafter.num_draft
+
+
+def warn_budget(budget: int, drafter: DFlashConfig) -> None:
+    if budget > BUDGET_WARN:
+        logging.warning(
+            "--budget=%d: a round accepts at most block_size=%d tokens however large the tree, while each of "
+            "the %d nodes costs verify compute; budgets above %d rarely pay off.",
+            budget,
+            drafter.block_size,
+            budget,
+            BUDGET_WARN,
+        )
+
+
+class ProgressBar:
+    """One `\\r`-rewritten line on stderr: bar, prompts done, tokens, tokens/s."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 30):
+        self.total, self.stream, self.width = total, stream or sys.stderr, width
+        self.start = time.perf_counter()
+
+    def update(self, done: int, tokens: int) -> None:
+        filled = self.width * done // self.total
+        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r[{bar}] {done}/{self.total} prompts  {tokens} tokens  {rate:.1f} tok/s")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def summary_table(prompts: int, tokens: int, rounds: int, wall_s: float) -> str:
+    head = ("prompts", "tokens", "rounds", "tokens/round", "tok/s")
+    row = (str(prompts), str(tokens), str(rounds), f"{tokens / max(rounds, 1):.2f}", f"{tokens / wall_s:.1f}")
+    widths = [max(len(h), len(c)) for h, c in zip(head, row, strict=True)]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in (head, row))
+
+
+def make_record(
+    p: Prompt, tokens: list[int], stats: dict[str, Any], wall_s: float, tok: Tokenizer | None
+) -> dict[str, Any]:
+    """One output line: wall_s is the batch's (the request's latency), tokens_per_s this row's over it."""
+    return {
+        "id": p.id,
+        "token_ids": list(tokens),
+        "text": None if tok is None else tok.decode(tokens),
+        "stats": {
+            "rounds": stats["rounds"],
+            "tokens_per_round": stats["tokens_per_round"],
+            "wall_s": wall_s,
+            "tokens_per_s": len(tokens) / wall_s if wall_s > 0 else 0.0,
+        },
+    }
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    validate_flags()
+    target_cfg = load_kimi_config(FLAGS.target)
+    drafter_cfg = load_dflash_config(FLAGS.drafter) if FLAGS.drafter else None
+    context_limit = target_cfg.max_position_embeddings
+    if drafter_cfg is not None:
+        check_pair(target_cfg, drafter_cfg)
+        context_limit = min(context_limit, drafter_cfg.max_position_embeddings)
+        if FLAGS.method == "ddtree":
+            warn_budget(FLAGS.budget, drafter_cfg)
+    tokenizer = load_tokenizer(FLAGS.target) if has_tokenizer(FLAGS.target) else None
+    prompts = read_prompts(FLAGS.prompts, tokenizer, target_cfg.vocab_size, chat=FLAGS.chat)
+    check_lengths(prompts, FLAGS.max_new_tokens, context_limit, draft_slots(FLAGS.method, drafter_cfg))
+    writer = OutputWriter(FLAGS.output, [p.id for p in prompts], resume=FLAGS.resume)
+    done = writer.done_ids()
+    todo = [p for p in prompts if p.id not in done]
+    if not todo:
+        logging.info("All %d prompts are already in %s; nothing to do.", len(prompts), FLAGS.output)
+        return
+
+    import jax.numpy as jnp
+
+    from ddtree_jax.api import Generator
+
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh)
+    bar = ProgressBar(len(todo))
+    tokens = rounds = 0
+    wall = 0.0
+    for start in range(0, len(todo), FLAGS.batch_size):
+        batch = todo[start : start + FLAGS.batch_size]
+        res = gen.generate(
+            [list(p.token_ids) for p in batch],
+            method=FLAGS.method,
+            budget=FLAGS.budget,
+            temperature=FLAGS.temperature,
+            max_new_tokens=FLAGS.max_new_tokens,
+            seed=FLAGS.seed,
+            ignore_eos=FLAGS.ignore_eos,
+        )
+        rows = zip(batch, res.tokens, res.stats, strict=True)
+        writer.write_batch([make_record(p, t, s, res.wall_s, tokenizer) for p, t, s in rows])
+        tokens += sum(len(t) for t in res.tokens)
+        rounds += sum(s["rounds"] for s in res.stats)
+        wall += res.wall_s
+        bar.update(start + len(batch), tokens)
+    bar.close()
+    print(summary_table(len(todo), tokens, rounds, wall))
+
+
+def run() -> None:
+    app.run(cli_main(main), flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()

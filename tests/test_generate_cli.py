@@ -1,0 +1,319 @@
+"""`python -m ddtree_jax.generate` on bad input: exit 2, one `error:` line naming the problem, no traceback,
+and no output file. These runs stop before any weight is loaded, so no checkpoint tensors are needed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from absl import flags
+
+from ddtree_jax import generate
+
+VOCAB = 512  # 256 byte ranks + 256 Kimi specials
+CONTEXT = 64
+HIDDEN = 64
+
+
+def target_config(**overrides: object) -> dict:
+    cfg = {
+        "model_type": "kimi_k2",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": CONTEXT,
+    }
+    return cfg | overrides
+
+
+def drafter_config(**overrides: object) -> dict:
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": HIDDEN,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "num_target_layers": 3,
+        "block_size": 4,
+        "max_position_embeddings": 4096,
+        "dflash_config": {"mask_token_id": VOCAB - 2, "target_layer_ids": [1]},
+    }
+    return cfg | overrides
+
+
+def write_checkpoint(d: Path, config: dict, tokenizer: bool = True) -> Path:
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    if tokenizer:
+        ranks = "".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256))
+        (d / "tiktoken.model").write_text(ranks)
+    return d
+
+
+class Cli:
+    """A tiny target + drafter and a valid prompts file; `run(**flags)` overrides any flag."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.target = write_checkpoint(tmp / "target", target_config())
+        self.drafter = write_checkpoint(tmp / "drafter", drafter_config(), tokenizer=False)
+        self.prompts = self.write_prompts(
+            {"id": "a", "prompt": "hello"}, {"id": "b", "prompt_ids": [1, 2, 3]}
+        )
+        self.output = tmp / "out.jsonl"
+
+    def write_prompts(self, *records: object, raw: bytes | None = None) -> Path:
+        p = self.tmp / "prompts.jsonl"
+        p.write_bytes(raw if raw is not None else "".join(json.dumps(r) + "\n" for r in records).encode())
+        return p
+
+    def run(self, env: dict[str, str] | None = None, **overrides: object) -> subprocess.CompletedProcess:
+        args = {
+            "target": self.target,
+            "drafter": self.drafter,
+            "prompts": self.prompts,
+            "output": self.output,
+            "max_new_tokens": 8,
+        }
+        args |= overrides
+        argv = [f"--{k}={v}" for k, v in args.items() if v is not None]
+        return subprocess.run(
+            [sys.executable, "-m", "ddtree_jax.generate", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "DDTREE_DEBUG"} | (env or {}),
+        )
+
+    def assert_user_error(self, proc: subprocess.CompletedProcess, *fragments: str) -> None:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2, proc.stderr
+        assert len(errors) == 1, proc.stderr
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+        for fragment in fragments:
+            assert fragment in errors[0], errors[0]
+        assert not self.output.exists()
+        assert {p.name for p in self.tmp.iterdir()} <= {"drafter", "prompts.jsonl", "target"}  # no temp file
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Cli:
+    return Cli(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("budget", 0, "--budget must be >= 1, got 0"),
+        ("batch_size", 0, "--batch_size must be >= 1, got 0"),
+        ("max_new_tokens", 0, "--max_new_tokens must be >= 1, got 0"),
+        ("temperature", -0.5, "--temperature must be finite and >= 0"),
+        ("temperature", "nan", "--temperature must be finite and >= 0"),
+        ("budget", "many", "flag --budget=many"),
+        ("method", "beam", "flag --method=beam: value should be one of <ar|dflash|ddtree>"),
+        ("dtype", "int8", "flag --dtype=int8"),
+    ],
+)
+def test_bad_flag_values(cli: Cli, flag: str, value: object, message: str) -> None:
+    cli.assert_user_error(cli.run(**{flag: value}), message)
+
+
+def test_missing_required_flag(cli: Cli) -> None:
+    cli.assert_user_error(cli.run(prompts=None), "--prompts must have a value")
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_method_needs_drafter(cli: Cli, method: str) -> None:
+    cli.assert_user_error(cli.run(method=method, drafter=None), f"--method={method} needs --drafter")
+
+
+def test_output_directory_missing(cli: Cli) -> None:
+    proc = cli.run(output=cli.tmp / "nope" / "out.jsonl")
+    cli.assert_user_error(proc, "--output directory", "nope does not exist")
+
+
+def test_output_is_the_prompts_file(cli: Cli) -> None:
+    proc = cli.run(output=cli.prompts)
+    assert proc.returncode == 2 and "is the prompts file" in proc.stderr
+    assert (cli.tmp / "prompts.jsonl").read_text().startswith('{"id": "a"')
+
+
+def test_target_without_config(cli: Cli) -> None:
+    (cli.target / "config.json").unlink()
+    cli.assert_user_error(cli.run(), "target/config.json: config.json not found")
+
+
+def test_target_config_malformed(cli: Cli) -> None:
+    (cli.target / "config.json").write_text("{not json")
+    cli.assert_user_error(cli.run(), "target/config.json: malformed JSON")
+
+
+def test_drafter_does_not_match_target(cli: Cli) -> None:
+    (cli.drafter / "config.json").write_text(json.dumps(drafter_config(hidden_size=2 * HIDDEN)))
+    cli.assert_user_error(cli.run(), f"drafter hidden_size {2 * HIDDEN} does not match the target's {HIDDEN}")
+
+
+def test_prompts_not_found(cli: Cli) -> None:
+    cli.prompts.unlink()
+    cli.assert_user_error(cli.run(), "prompts.jsonl: prompts file not found")
+
+
+def test_prompts_empty(cli: Cli) -> None:
+    cli.write_prompts()
+    cli.assert_user_error(cli.run(), "prompts.jsonl: no prompts")
+
+
+def test_prompt_line_not_json(cli: Cli) -> None:
+    cli.write_prompts(raw=b'{"id": 1, "prompt": "x"}\n{"id": 2, "prompt": \n')
+    cli.assert_user_error(cli.run(), "prompts.jsonl:2: not JSON")
+
+
+def test_prompt_without_prompt_field(cli: Cli) -> None:
+    cli.write_prompts({"id": "q", "text": "hello"})
+    cli.assert_user_error(
+        cli.run(), "prompts.jsonl:1: prompt 'q' needs exactly one of 'prompt' and 'prompt_ids'"
+    )
+
+
+def test_prompt_ids_outside_vocab(cli: Cli) -> None:
+    cli.write_prompts({"id": "q", "prompt_ids": [5, VOCAB]})
+    cli.assert_user_error(cli.run(), f"token id {VOCAB} outside the vocabulary [0, {VOCAB})")
+
+
+def test_prompt_not_utf8(cli: Cli) -> None:
+    cli.write_prompts(raw=b'{"id": "q", "prompt": "\xc3\x28"}\n')
+    cli.assert_user_error(cli.run(), "prompts.jsonl:1: not valid UTF-8")
+
+
+def test_text_prompt_without_tokenizer(cli: Cli) -> None:
+    (cli.target / "tiktoken.model").unlink()
+    cli.assert_user_error(
+        cli.run(), "prompts.jsonl:1: prompt 'a' is text, but the checkpoint has no tokenizer"
+    )
+
+
+@pytest.mark.parametrize(("method", "fits"), [("ar", 56), ("ddtree", 53)])
+def test_prompt_too_long_for_context(cli: Cli, method: str, fits: int) -> None:
+    # ar needs prompt + max_new_tokens <= 64; ddtree also block_size - 1 = 3 draft positions.
+    cli.write_prompts({"id": "ok", "prompt_ids": [1] * fits}, {"id": "long", "prompt_ids": [1] * (fits + 1)})
+    cli.assert_user_error(cli.run(method=method), "prompt 'long'", "exceeds the context limit 64")
+
+
+def test_resume_from_corrupt_output_keeps_it(cli: Cli) -> None:
+    cli.output.write_text('{"id": "a"}\ngarbage\n')
+    proc = cli.run(resume=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "out.jsonl:2: existing output is corrupt" in proc.stderr
+    assert cli.output.read_text() == '{"id": "a"}\ngarbage\n'
+
+
+def test_resume_with_everything_done_loads_nothing(cli: Cli) -> None:
+    done = '{"id": "a", "token_ids": [1]}\n{"id": "b", "token_ids": [2]}\n'
+    cli.output.write_text(done)
+    proc = cli.run(resume=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing to do" in proc.stderr
+    assert cli.output.read_text() == done
+
+
+def test_large_budget_warns(cli: Cli) -> None:
+    cli.write_prompts()  # stop right after the warning, before loading weights
+    proc = cli.run(budget=1000)
+    assert "--budget=1000: a round accepts at most block_size=4 tokens" in proc.stderr
+    cli.assert_user_error(proc, "no prompts")
+
+
+def test_debug_env_shows_traceback(cli: Cli) -> None:
+    proc = cli.run(budget=0, env={"DDTREE_DEBUG": "1"})
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "UserError: --budget must be >= 1" in proc.stderr
+
+
+# ---- the batch loop, in process, against a fake engine (the real one is tested end to end elsewhere) ----
+
+
+class FakeGenerator:
+    """Generator contract of ddtree_jax.api: each row generates [last + 1, last + 2] and stops."""
+
+    calls: list[dict] = []
+
+    @classmethod
+    def load(cls, target: str, drafter: str | None, dtype: object, mesh: str | None) -> FakeGenerator:
+        cls.calls.append({"load": (target, drafter, dtype, mesh)})
+        return cls()
+
+    def generate(self, prompts: list[list[int]], **kw: object) -> SimpleNamespace:
+        self.calls.append({"prompts": prompts, **kw})
+        tokens = [[p[-1] + 1, p[-1] + 2] for p in prompts]
+        stats = [{"rounds": 1, "tokens_per_round": 2.0, "accept_hist": [0, 1]} for _ in prompts]
+        return SimpleNamespace(tokens=tokens, stats=stats, wall_s=0.5, tokens_per_s=4.0 * len(prompts))
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> type[FakeGenerator]:
+    monkeypatch.setitem(sys.modules, "ddtree_jax.api", SimpleNamespace(Generator=FakeGenerator))
+    FakeGenerator.calls = []
+    yield FakeGenerator
+    flags.FLAGS.unparse_flags()
+
+
+def run_in_process(cli: Cli, *extra: str) -> None:
+    argv = [f"--target={cli.target}", f"--drafter={cli.drafter}", f"--prompts={cli.prompts}"]
+    generate.main(flags.FLAGS(["ddtree-generate", *argv, f"--output={cli.output}", *extra]))
+
+
+def test_batches_in_input_order_with_resume(
+    cli: Cli, fake_engine: type[FakeGenerator], capsys: pytest.CaptureFixture
+) -> None:
+    cli.write_prompts(
+        *({"id": f"p{i}", "prompt_ids": [10 * i + 1]} for i in range(5)), {"id": "t", "prompt": "A"}
+    )
+    cli.output.write_text(json.dumps({"id": "p1", "token_ids": [7]}) + "\n")
+    extra = ["--resume", "--batch_size=2", "--method=dflash", "--dtype=float32", "--mesh=1,1,8", "--seed=3"]
+    run_in_process(cli, *extra, "--temperature=0.7", "--max_new_tokens=5", "--ignore_eos")
+
+    import jax.numpy as jnp
+
+    load, *gens = fake_engine.calls
+    assert load["load"] == (str(cli.target), str(cli.drafter), jnp.float32, "1,1,8")
+    assert [g["prompts"] for g in gens] == [[[1], [21]], [[31], [41]], [[65]]]  # p1 skipped; "A" is byte 65
+    assert gens[0] | {"prompts": None} == {
+        "prompts": None,
+        "method": "dflash",
+        "budget": 16,
+        "temperature": 0.7,
+        "max_new_tokens": 5,
+        "seed": 3,
+        "ignore_eos": True,
+    }
+    records = [json.loads(line) for line in cli.output.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["p0", "p1", "p2", "p3", "p4", "t"]
+    assert records[1] == {"id": "p1", "token_ids": [7]}  # kept from the earlier run
+    assert records[5] == {
+        "id": "t",
+        "token_ids": [66, 67],
+        "text": "BC",
+        "stats": {"rounds": 1, "tokens_per_round": 2.0, "wall_s": 0.5, "tokens_per_s": 4.0},
+    }
+    out, err = capsys.readouterr()
+    assert "5/5 prompts" in err
+    assert out.splitlines()[1].split() == ["5", "10", "5", "2.00", "6.7"]  # 10 tokens over 3 x 0.5 s
