@@ -1,0 +1,119 @@
+"""Small Python API for scripts and notebooks: load a target (+ drafter), generate for a batch, get stats.
+
+    gen = Generator.load("checkpoints/kimi-mini", "checkpoints/kimi-mini-dflash")
+    res = gen.generate([[1, 2, 3], [4, 5]], method="ddtree", budget=16, max_new_tokens=64)
+    res.tokens[0], res.stats[0]["tokens_per_round"], res.tokens_per_s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from ddtree_jax import engine
+from ddtree_jax.config import check_pair
+from ddtree_jax.models.dflash import DFlashDrafter
+from ddtree_jax.models.kimi import KimiForCausalLM
+
+PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so few shapes get compiled
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per row (a stop token included when hit)
+    stats: list[dict]  # per row: rounds, tokens_per_round, accept_hist (count of rounds committing 1..D+1 tokens)
+    wall_s: float  # execution time of the compiled program (compilation excluded)
+    compile_s: float  # compilation time paid by this call (0 when cached)
+    tokens_per_s: float  # generated tokens of the whole batch / wall_s
+
+
+class Generator:
+    """A target model, an optional DFlash drafter and tokenizer, and a cache of compiled programs."""
+
+    def __init__(self, target: KimiForCausalLM, drafter: DFlashDrafter | None = None, tokenizer=None):
+        if drafter is not None:
+            check_pair(target.config, drafter.config)
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self._compiled: dict[engine.GenSpec, tuple] = {}
+
+    @property
+    def target_config(self):
+        return self.target.config
+
+    @classmethod
+    def load(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, *, dtype=jnp.bfloat16,
+             mesh: str | None = None) -> Generator:
+        """Load HF-format checkpoints (the target's tokenizer too, when the directory has one)."""
+        from ddtree_jax.checkpoint import load_drafter, load_target
+        from ddtree_jax.tokenizer import has_tokenizer, load_tokenizer
+
+        if mesh is not None:
+            raise NotImplementedError("--mesh: sharded loading is not implemented yet")
+        target = load_target(target_dir, dtype=dtype)
+        drafter = load_drafter(drafter_dir, dtype=dtype) if drafter_dir is not None else None
+        tok = load_tokenizer(target_dir) if has_tokenizer(target_dir) else None
+        return cls(target, drafter, tok)
+
+    def spec(self, batch: int, prompt_len: int, *, method: str, budget: int, temperature: float,
+             max_new_tokens: int, ignore_eos: bool) -> engine.GenSpec:
+        return engine.GenSpec(
+            method=method,
+            batch=batch,
+            prompt_len=PROMPT_BUCKET * math.ceil(prompt_len / PROMPT_BUCKET),
+            max_new_tokens=max_new_tokens,
+            budget=budget,
+            temperature=float(temperature),
+            stop_ids=() if ignore_eos else self.target.config.stop_token_ids,
+        )
+
+    def compiled(self, spec: engine.GenSpec):
+        """The compiled program for `spec` and the seconds spent compiling it now (0 if cached)."""
+        if spec in self._compiled:
+            return self._compiled[spec], 0.0
+        t0 = time.perf_counter()
+        drafter = self.drafter if spec.method != "ar" else None
+        self._compiled[spec] = engine.compile_generate(self.target, drafter, spec)
+        dt = time.perf_counter() - t0
+        logging.info("compiled %s in %.1fs", spec, dt)
+        return self._compiled[spec], dt
+
+    def generate(self, prompts: list[list[int]], *, method: str = "ddtree", budget: int = 16,
+                 temperature: float = 0.0, max_new_tokens: int = 128, seed: int = 0, ignore_eos: bool = False,
+                 pad_batch_to: int | None = None) -> GenerationResult:
+        """Generate for a batch of token-id prompts (different lengths allowed). pad_batch_to: run the program at
+        this batch size (extra rows repeat the last prompt and are dropped) so batches share one compilation."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        n = len(prompts)
+        batch = max(n, pad_batch_to or 0)
+        rows = list(prompts) + [prompts[-1]] * (batch - n)
+        spec = self.spec(batch, max(len(p) for p in rows), method=method, budget=budget, temperature=temperature,
+                         max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        (program, t_state, d_state), compile_s = self.compiled(spec)
+        padded = np.zeros((batch, spec.prompt_len), np.int32)
+        for i, p in enumerate(rows):
+            padded[i, : len(p)] = p
+        args = jax.device_put((padded, np.array([len(p) for p in rows], np.int32), jax.random.key(seed)))
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(program(t_state, d_state, *args))
+        wall = time.perf_counter() - t0
+        tokens, n_out, rounds, hist = (np.asarray(x) for x in out)
+        result_tokens = [tokens[i, : n_out[i]].tolist() for i in range(n)]
+        stats = []
+        for i in range(n):
+            taus = np.arange(hist.shape[1])
+            r = int(rounds[i])
+            stats.append({
+                "rounds": r,
+                "tokens_per_round": float((hist[i] * taus).sum() / r) if r else 0.0,
+                "accept_hist": hist[i, 1:].tolist(),
+            })
+        total = sum(len(t) for t in result_tokens)
+        return GenerationResult(result_tokens, stats, wall, compile_s, total / wall if wall > 0 else 0.0)

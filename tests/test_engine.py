@@ -1,0 +1,238 @@
+"""The speculative engine: lossless greedy and sampled output, cache compaction, one program with no host transfers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_dflash_config, tiny_kimi_config
+from flax import nnx
+
+from ddtree_jax import engine
+from ddtree_jax import tree as ddtree
+from ddtree_jax.api import Generator
+from ddtree_jax.models.dflash import DFlashDrafter
+from ddtree_jax.models.kimi import KimiForCausalLM
+
+
+def make_pair(seed: int, vocab: int = 97, block: int = 4):
+    cfg = tiny_kimi_config(vocab_size=vocab)
+    target = KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=jnp.float32)
+    drafter = DFlashDrafter(tiny_dflash_config(cfg, block_size=block), rngs=nnx.Rngs(seed + 1), dtype=jnp.float32)
+    return target, drafter
+
+
+def run(target, drafter, spec, prompts, plen, key=0):
+    program, ts, ds = engine.compile_generate(target, drafter, spec)
+    out = program(ts, ds, jnp.asarray(prompts), jnp.asarray(plen), jax.random.key(key))
+    return [np.asarray(out.tokens[b, : out.n_out[b]]).tolist() for b in range(spec.batch)], out
+
+
+def random_prompts(rng, batch, max_len, vocab):
+    plen = rng.integers(1, max_len + 1, batch).astype(np.int32)
+    plen[0] = max_len
+    prompts = rng.integers(0, vocab - 1, (batch, max_len)).astype(np.int32)
+    return prompts, plen
+
+
+def oracle_draft(reference: np.ndarray, noise: float, seed: int):
+    """A stand-in for `engine.draft` whose logits favour the known target continuation `reference [B, M]`, with
+    noise so that acceptance is partial and siblings get accepted: exercises deep walks and compaction."""
+    ref = jnp.asarray(reference)
+
+    def draft(target, drafter, s):
+        d, v = drafter.config.num_draft, target.config.vocab_size
+        idx = jnp.minimum(s.n_out[:, None] + jnp.arange(d)[None, :], ref.shape[1] - 1)
+        want = jnp.take_along_axis(ref, idx, axis=1)
+        key = jax.random.fold_in(jax.random.key(seed), jnp.sum(s.n_out))
+        logits = 3.0 * jax.nn.one_hot(want, v) + noise * jax.random.normal(key, (s.root.shape[0], d, v))
+        pend_pos = s.ctx_len[:, None] + jnp.arange(s.pend_feats.shape[1])[None, :]
+        return logits, drafter.append_context(s.dcache, s.pend_feats, pend_pos, s.ctx_len)
+
+    return draft
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_equals_ar_with_trained_like_drafts(batch, monkeypatch):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 20))
+    target, drafter = make_pair(seed)
+    prompts, plen = random_prompts(rng, batch, 7, 97)
+    new = 24
+    ar, _ = run(target, None, engine.GenSpec("ar", batch, 7, new), prompts, plen)
+    reference = np.zeros((batch, new + 16), np.int32)
+    for b, t in enumerate(ar):
+        reference[b, : len(t)] = t
+    monkeypatch.setattr(engine, "draft", oracle_draft(reference, noise=1.2, seed=seed))
+    budgets = [1, 2, 4, 8, 16, 32, 64] if batch == 4 else [1, 8, 64]
+    mean_tau = {}
+    for method, budget in [("dflash", 1)] + [("ddtree", b) for b in budgets]:
+        got, out = run(target, drafter, engine.GenSpec(method, batch, 7, new, budget=budget), prompts, plen)
+        assert got == ar, f"{method} budget {budget}"
+        hist = np.asarray(out.accept_hist)
+        mean_tau[(method, budget)] = (hist * np.arange(hist.shape[1])).sum() / hist.sum()
+    # The oracle makes acceptance real, and a wider tree accepts more than the chain.
+    assert mean_tau[("ddtree", 64)] > mean_tau[("dflash", 1)] > 1.5
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 5), ("ddtree", 32)])
+def test_greedy_speculative_equals_ar_with_real_drafter(method, budget):
+    rng = np.random.default_rng()
+    target, drafter = make_pair(int(rng.integers(1 << 20)), vocab=13)
+    prompts, plen = random_prompts(rng, 3, 6, 13)
+    ar, _ = run(target, None, engine.GenSpec("ar", 3, 6, 20), prompts, plen)
+    got, _ = run(target, drafter, engine.GenSpec(method, 3, 6, 20, budget=budget), prompts, plen)
+    assert got == ar
+
+
+def test_stop_tokens_end_rows_independently():
+    rng = np.random.default_rng()
+    target, drafter = make_pair(int(rng.integers(1 << 20)))
+    prompts, plen = random_prompts(rng, 4, 5, 97)
+    free, _ = run(target, None, engine.GenSpec("ar", 4, 5, 16), prompts, plen)
+    stop = free[1][5]  # a token row 1 emits at step 6: every row must stop at its first occurrence of it
+    for method in ("ar", "ddtree"):
+        got, _ = run(target, drafter, engine.GenSpec(method, 4, 5, 16, budget=8, stop_ids=(stop,)), prompts, plen)
+        for g, f in zip(got, free, strict=True):
+            cut = f.index(stop) + 1 if stop in f else len(f)
+            assert g == f[:cut]
+
+
+def run_rounds(target, drafter, spec, prompts, plen, rounds):
+    tg, ts = nnx.split(target)
+    dg, ds = nnx.split(drafter)
+
+    @jax.jit
+    def f(ts, ds, prompts, plen):
+        t, d = nnx.merge(tg, ts), nnx.merge(dg, ds)
+        s = engine.prefill(t, d, spec, prompts, plen, jax.random.key(0))
+        return jax.lax.fori_loop(0, rounds, lambda i, st: engine.spec_round(t, d, spec, st), s)
+
+    return f(ts, ds, jnp.asarray(prompts), jnp.asarray(plen))
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_compacted_cache_equals_linear_decode_cache(rounds, monkeypatch):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 20))
+    target, drafter = make_pair(seed)
+    prompts, plen = random_prompts(rng, 3, 6, 97)
+    ar, _ = run(target, None, engine.GenSpec("ar", 3, 6, 30), prompts, plen)
+    reference = np.zeros((3, 48), np.int32)
+    for b, t in enumerate(ar):
+        reference[b, : len(t)] = t
+    monkeypatch.setattr(engine, "draft", oracle_draft(reference, noise=1.0, seed=seed))
+    spec = engine.GenSpec("ddtree", 3, 6, 30, budget=12)
+    s = run_rounds(target, drafter, spec, prompts, plen, rounds)
+    layers = drafter.config.target_layer_ids
+    moved = False
+    for b in range(3):
+        n_out, start = int(s.n_out[b]), int(s.start[b])
+        committed = np.concatenate([prompts[b, : plen[b]], np.asarray(s.out[b, : n_out - 1])])
+        assert len(committed) == start
+        pos = jnp.arange(start)[None]
+        lin = target(jnp.asarray(committed[None]), pos, target.init_cache(1, start), jnp.zeros((1,), jnp.int32),
+                     feature_layers=layers)
+        for c, r in zip(s.cache, lin.cache, strict=True):
+            np.testing.assert_allclose(np.asarray(c[b, :start]), np.asarray(r[0]), rtol=2e-4, atol=2e-5)
+        # Drafter context: committed positions < ctx_len are projected; the rest wait in pend_feats.
+        ctx, pend = int(s.ctx_len[b]), int(s.pend_count[b])
+        assert ctx + pend == start
+        k, v = drafter.context_kv(lin.features, pos)
+        np.testing.assert_allclose(np.asarray(s.dcache.k[:, b, :ctx]), np.asarray(k[:, 0, :ctx]), rtol=2e-4,
+                                   atol=2e-5)
+        np.testing.assert_allclose(np.asarray(s.dcache.v[:, b, :ctx]), np.asarray(v[:, 0, :ctx]), rtol=2e-4,
+                                   atol=2e-5)
+        np.testing.assert_allclose(np.asarray(s.pend_feats[b, :pend]), np.asarray(lin.features[0, ctx:start]),
+                                   rtol=2e-4, atol=2e-5)
+        moved |= pend > 1
+    assert moved, "no round accepted a draft: the test did not exercise compaction"
+
+
+def test_loop_runs_with_host_transfers_disallowed():
+    target, drafter = make_pair(3)
+    spec = engine.GenSpec("ddtree", 2, 5, 12, budget=8)
+    program, ts, ds = engine.compile_generate(target, drafter, spec)
+    args = jax.device_put((np.ones((2, 5), np.int32), np.array([5, 3], np.int32)))
+    key = jax.random.key(1)
+    with jax.transfer_guard("disallow"):
+        out = program(ts, ds, *args, key)
+        out.tokens.block_until_ready()
+    assert int(out.n_out[0]) == 12
+
+
+def test_one_compiled_program_per_shape():
+    target, drafter = make_pair(4)
+    gen = Generator(target, drafter)
+    a = gen.generate([[1, 2, 3], [4, 5]], method="ddtree", budget=4, max_new_tokens=6)
+    b = gen.generate([[7], [8, 9, 10, 11]], method="ddtree", budget=4, max_new_tokens=6)
+    assert a.compile_s > 0 and b.compile_s == 0 and len(gen._compiled) == 1
+    assert all(len(t) == 6 for t in a.tokens + b.tokens)
+    assert a.stats[0]["rounds"] >= 1 and len(a.stats[0]["accept_hist"]) == drafter.config.block_size
+
+
+# ---- temperature > 0: the distribution of generated sequences is the target's -------------------------------
+
+
+def exact_joint(target, prompt, vocab, steps):
+    """p(t1..t_steps | prompt) for every sequence, from the target's own conditionals at temperature 1."""
+    seqs = np.array(np.meshgrid(*[np.arange(vocab)] * steps, indexing="ij")).reshape(steps, -1).T
+    full = np.concatenate([np.broadcast_to(prompt, (len(seqs), len(prompt))), seqs], 1)
+    n = full.shape[1]
+    out = target(jnp.asarray(full), jnp.broadcast_to(jnp.arange(n), full.shape), target.init_cache(len(seqs), n),
+                 jnp.zeros((len(seqs),), jnp.int32))
+    logp = np.asarray(jax.nn.log_softmax(target.logits(out.hidden), -1), np.float64)
+    p0 = len(prompt) - 1
+    total = sum(logp[np.arange(len(seqs)), p0 + j, seqs[:, j]] for j in range(steps))
+    return seqs, np.exp(total)
+
+
+def chi_square_z(samples: np.ndarray, seqs: np.ndarray, probs: np.ndarray, vocab: int) -> float:
+    """Pearson chi-square of sampled sequences against `probs` (cells pooled to expected >= 5), as a z-score."""
+    codes = samples @ (vocab ** np.arange(samples.shape[1])[::-1])
+    cell = seqs @ (vocab ** np.arange(seqs.shape[1])[::-1])
+    counts = np.bincount(codes, minlength=vocab ** seqs.shape[1])[cell]
+    exp = probs * len(samples)
+    order = np.argsort(exp)
+    pooled_o, pooled_e, acc_o, acc_e = [], [], 0.0, 0.0
+    for i in order:
+        acc_o, acc_e = acc_o + counts[i], acc_e + exp[i]
+        if acc_e >= 5:
+            pooled_o.append(acc_o)
+            pooled_e.append(acc_e)
+            acc_o = acc_e = 0.0
+    pooled_o[-1] += acc_o
+    pooled_e[-1] += acc_e
+    o, e = np.array(pooled_o), np.array(pooled_e)
+    stat, df = ((o - e) ** 2 / e).sum(), len(o) - 1
+    return (stat - df) / np.sqrt(2 * df)
+
+
+def biased_walk(original):
+    """A lossy rule wrapped around the real walk: the root's first child (the drafter's top token) is always
+    accepted."""
+
+    def walk(tree, post, max_depth):
+        forced = post.at[0].set(jnp.where(tree.valid[1], tree.tokens[1], post[0]))
+        return original(tree, forced, max_depth)
+
+    return walk
+
+
+@pytest.mark.parametrize("method,budget", [("ddtree", 12), ("dflash", 1)])
+def test_sampling_matches_target_distribution(method, budget, monkeypatch):
+    vocab, steps, n = 6, 3, 3000
+    target, drafter = make_pair(7, vocab=vocab, block=4)
+    prompt = np.array([1, 4, 2, 3], np.int32)
+    seqs, probs = exact_joint(target, prompt, vocab, steps)
+    prompts, plen = np.broadcast_to(prompt, (n, 4)).copy(), np.full((n,), 4, np.int32)
+
+    def sample_tokens():
+        spec = engine.GenSpec(method, n, 4, steps, budget=budget, temperature=1.0)
+        got, _ = run(target, drafter, spec, prompts, plen, key=int(np.random.randint(1 << 30)))
+        return np.array(got)
+
+    assert abs(chi_square_z(sample_tokens(), seqs, probs, vocab)) < 5
+    monkeypatch.setattr(ddtree, "follow_verified_tree", biased_walk(ddtree.follow_verified_tree))
+    assert chi_square_z(sample_tokens(), seqs, probs, vocab) > 10
