@@ -51,7 +51,8 @@ class Generator:
     def load(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, *, dtype=jnp.bfloat16,
              mesh: str | None = None) -> Generator:
         """Load HF-format checkpoints (the target's tokenizer too, when the directory has one)."""
-        from ddtree_jax.checkpoint import load_drafter, load_target
+        from ddtree_jax.checkpoint import load_target
+        from ddtree_jax.dflash_checkpoint import load_drafter
         from ddtree_jax.tokenizer import has_tokenizer, load_tokenizer
 
         if mesh is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from ddtree_jax.config import KimiConfig, QuantConfig, YarnConfig
+from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, YarnConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -65,3 +65,27 @@ def spec_configs() -> Path:
     if not SPEC_CONFIGS.is_dir():
         pytest.fail(f"reference configs not found at {SPEC_CONFIGS}")
     return SPEC_CONFIGS
+
+
+def tiny_dflash_config(target: KimiConfig, block_size: int = 4, **overrides) -> DFlashConfig:
+    """A 2-layer drafter for `target` (GQA 4/2 heads, head_dim 16, YaRN like the Kimi drafter)."""
+    cfg = DFlashConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=target.vocab_size,
+        num_target_layers=target.num_hidden_layers,
+        block_size=block_size,
+        target_layer_ids=(0, target.num_hidden_layers - 1),
+        mask_token_id=target.vocab_size - 1,
+        rope_theta=50000.0,
+        rope_scaling=YarnConfig(factor=64.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+                                mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=target.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        yarn_attention_factor=1.4158883083359672,
+    )
+    return dataclasses.replace(cfg, **overrides)

@@ -94,8 +94,8 @@ class MLA(nnx.Module):
         if naive:
             o = self._naive_attention(q_nope, q_pe, lat, block_mask)
         else:
-            ql = jnp.einsum("bnhp,hpc->bnhc", q_nope, self.w_uk[...], preferred_element_type=jnp.float32)
-            q_abs = jnp.concatenate([ql.astype(x.dtype), q_pe], axis=-1)
+            ql = jnp.einsum("bnhp,hpc->bnhc", q_nope, self.w_uk[...])
+            q_abs = jnp.concatenate([ql, q_pe], axis=-1)
             o_lat = dispatch.mla_attention(q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank)
             o = jnp.einsum("bnhc,hvc->bnhv", o_lat, self.w_uv[...], preferred_element_type=jnp.float32)
         o = o.astype(x.dtype).reshape(*x.shape[:2], -1)
