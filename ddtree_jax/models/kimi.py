@@ -174,6 +174,7 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, quantized: bool = True):
         self.cfg = cfg
+        self.record_load = False  # training sets this to sow per-expert token counts ("expert_load", [E])
         h, e, i = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.gate = _normal(rngs, (h, e), dtype)
         self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
@@ -208,6 +209,8 @@ class MoE(nnx.Module):
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
         ids, w = self.route(xt)
+        if self.record_load:
+            self.sow(nnx.Intermediate, "expert_load", jnp.sum(jax.nn.one_hot(ids, self.cfg.n_routed_experts), (0, 1)))
         y = self.experts(xt, ids, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xt)
