@@ -19,6 +19,7 @@ from absl import logging
 
 from ddtree_jax import engine
 from ddtree_jax.config import check_pair
+from ddtree_jax.errors import NumericsError
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
 
@@ -105,7 +106,12 @@ class Generator:
         t0 = time.perf_counter()
         out = jax.block_until_ready(program(t_state, d_state, *args))
         wall = time.perf_counter() - t0
-        tokens, n_out, rounds, hist = (np.asarray(x) for x in out)
+        tokens, n_out, rounds, hist, bad = (np.asarray(x) for x in out)
+        for i in range(n):
+            if bad[i] >= 0:
+                where = "prefill" if bad[i] == 0 else f"round {bad[i]}"
+                raise NumericsError(f"non-finite (NaN/inf) target logits in {where} of batch row {i}; "
+                                    "no tokens were emitted past that point")
         result_tokens = [tokens[i, : n_out[i]].tolist() for i in range(n)]
         stats = []
         for i in range(n):

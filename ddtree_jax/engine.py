@@ -62,6 +62,7 @@ class LoopState(NamedTuple):
     key: jax.Array
     rounds: jax.Array  # [B] int32 rounds in which the row was active
     accept_hist: jax.Array  # [B, D+2] int32 histogram of tokens committed per round (tau)
+    bad_round: jax.Array  # [B] int32: first round whose target logits were not finite (0 = prefill), -1 if none
 
 
 class GenOut(NamedTuple):
@@ -69,6 +70,7 @@ class GenOut(NamedTuple):
     n_out: jax.Array  # [B]
     rounds: jax.Array  # [B]
     accept_hist: jax.Array  # [B, D+2]
+    bad_round: jax.Array  # [B] -1, or the round (0 = prefill) where the row stopped on NaN/inf logits
 
 
 def num_draft(drafter: DFlashDrafter | None) -> int:
@@ -111,8 +113,14 @@ def compact_cache(cache: LatentCache, start: jax.Array, path: jax.Array) -> Late
     return [c.at[rows, dst].set(c[rows, src], mode="drop") for c in cache]
 
 
-def _commit(spec: GenSpec, s: LoopState, new_tokens: jax.Array, tau: jax.Array):
+def _finite_rows(logits: jax.Array) -> jax.Array:
+    """`[B, ...]` -> `[B]` bool: every logit of the row is finite."""
+    return jnp.all(jnp.isfinite(logits), axis=tuple(range(1, logits.ndim)))
+
+
+def _commit(spec: GenSpec, s: LoopState, new_tokens: jax.Array, tau: jax.Array, finite: jax.Array):
     """Append up to tau of `new_tokens [B, M]` to `out`, truncating at a stop token or max_new_tokens.
+    A row whose logits were not finite commits nothing and stops.
 
     Returns (out, n_out, done, n_new) for active rows; frozen rows keep their values.
     """
@@ -123,11 +131,11 @@ def _commit(spec: GenSpec, s: LoopState, new_tokens: jax.Array, tau: jax.Array):
     first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, m + 1)
     room = spec.max_new_tokens - s.n_out
     n_new = jnp.minimum(jnp.minimum(tau, first_stop), room)
-    n_new = jnp.where(s.done, 0, n_new)
+    n_new = jnp.where(s.done | ~finite, 0, n_new)
     slot = jnp.where(j < n_new[:, None], s.n_out[:, None] + j, s.out.shape[1])
     out = s.out.at[jnp.arange(s.out.shape[0])[:, None], slot].set(new_tokens, mode="drop")
     n_out = s.n_out + n_new
-    done = s.done | (first_stop <= n_new) | (n_out >= spec.max_new_tokens)
+    done = s.done | ~finite | (first_stop <= n_new) | (n_out >= spec.max_new_tokens)
     return out, n_out, done, n_new
 
 
@@ -149,16 +157,18 @@ def prefill(
     fwd = target(prompts, positions, target.init_cache(b, cap), zeros, feature_layers=feature_layers, naive=True)
     last = _gather_rows(fwd.hidden, (prompt_len - 1)[:, None])[:, 0]
     key, sub = jax.random.split(key)
-    first = sample(target.logits(last), sub, spec.temperature)
+    logits = target.logits(last)
+    first = sample(logits, sub, spec.temperature)
+    finite = _finite_rows(logits)
     out = jnp.zeros((b, spec.max_new_tokens + d + 1), jnp.int32).at[:, 0].set(first)
-    done = _is_stop(first, spec.stop_ids) | (spec.max_new_tokens <= 1)
+    done = _is_stop(first, spec.stop_ids) | (spec.max_new_tokens <= 1) | ~finite
     dcache, pend_feats = None, None
     if drafter is not None:
         dcache = drafter.append_context(drafter.init_cache(b, cap), fwd.features, positions, zeros)
         pend_feats = jnp.zeros((b, d + 1, fwd.features.shape[-1]), fwd.features.dtype)
     return LoopState(
         out=out,
-        n_out=jnp.ones((b,), jnp.int32),
+        n_out=finite.astype(jnp.int32),
         start=prompt_len.astype(jnp.int32),
         root=first,
         done=done,
@@ -170,12 +180,13 @@ def prefill(
         key=key,
         rounds=zeros,
         accept_hist=jnp.zeros((b, d + 2), jnp.int32),
+        bad_round=jnp.where(finite, -1, 0),
     )
 
 
-def _finish_round(spec: GenSpec, s: LoopState, new_tokens, tau, bonus, cache, **updates) -> LoopState:
-    """Commit, advance positions for active rows, record stats."""
-    out, n_out, done, _ = _commit(spec, s, new_tokens, tau)
+def _finish_round(spec: GenSpec, s: LoopState, new_tokens, tau, bonus, cache, finite, **updates) -> LoopState:
+    """Commit, advance positions for active rows, record stats; rows with non-finite logits stop here."""
+    out, n_out, done, _ = _commit(spec, s, new_tokens, tau, finite)
     active = ~s.done
     tau_a = jnp.where(active, tau, 0)
     hist = s.accept_hist.at[jnp.arange(tau.shape[0]), tau].add(active.astype(jnp.int32))
@@ -188,6 +199,7 @@ def _finish_round(spec: GenSpec, s: LoopState, new_tokens, tau, bonus, cache, **
         cache=cache,
         rounds=s.rounds + active.astype(jnp.int32),
         accept_hist=hist,
+        bad_round=jnp.where(active & ~finite, s.rounds + 1, s.bad_round),
         **updates,
     )
 
@@ -196,9 +208,10 @@ def ar_round(target: KimiForCausalLM, spec: GenSpec, s: LoopState) -> LoopState:
     """One autoregressive step for every row."""
     key, sub = jax.random.split(s.key)
     fwd = target(s.root[:, None], s.start[:, None], s.cache, s.start)
-    nxt = sample(target.logits(fwd.hidden[:, 0]), sub, spec.temperature)
+    logits = target.logits(fwd.hidden[:, 0])
+    nxt = sample(logits, sub, spec.temperature)
     tau = jnp.ones_like(nxt)
-    return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, key=key)
+    return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, _finite_rows(logits), key=key)
 
 
 def draft(target: KimiForCausalLM, drafter: DFlashDrafter, s: LoopState) -> tuple[jax.Array, DrafterCache]:
@@ -230,7 +243,8 @@ def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s
     mask = jax.vmap(lambda t: ddtree.ancestor_mask(t, d))(tree)
     positions = s.start[:, None] + tree.depth
     fwd = target(tree.tokens, positions, s.cache, s.start, mask, feature_layers=drafter.config.target_layer_ids)
-    post = sample(target.logits(fwd.hidden), sub, spec.temperature)  # [B, T]: one target draw per node
+    logits = target.logits(fwd.hidden)
+    post = sample(logits, sub, spec.temperature)  # [B, T]: one target draw per node
     path, tau, bonus = jax.vmap(lambda t, p: ddtree.follow_verified_tree(t, p, d))(tree, post)
     path = jnp.maximum(path, 0)
     # Emitted this round: the accepted nodes after the root, then the bonus token.
@@ -245,6 +259,7 @@ def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s
         tau,
         bonus,
         cache,
+        _finite_rows(logits),
         key=key,
         dcache=dcache,
         ctx_len=jnp.where(active, s.ctx_len + s.pend_count, s.ctx_len),
@@ -270,7 +285,7 @@ def generate(
         return spec_round(target, drafter, spec, st)
 
     s = jax.lax.while_loop(lambda st: ~jnp.all(st.done), body, s)
-    return GenOut(s.out, s.n_out, s.rounds, s.accept_hist)
+    return GenOut(s.out, s.n_out, s.rounds, s.accept_hist, s.bad_round)
 
 
 def compile_generate(target: KimiForCausalLM, drafter: DFlashDrafter | None, spec: GenSpec):

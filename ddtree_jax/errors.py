@@ -19,6 +19,13 @@ class UserError(Exception):
     """Bad input from the user (flags, files); the message is one line and names the problem."""
 
 
+class NumericsError(RuntimeError):
+    """The model produced NaN/inf logits; the message names the round and row. Exit code 3."""
+
+
+EXIT_NUMERICS = 3
+
+
 def _user_error_types() -> tuple[type[Exception], ...]:
     # A CheckpointError can only come from an imported checkpoint module; importing it here (jax, orbax)
     # just to catch nothing would slow every early error down.
@@ -27,11 +34,11 @@ def _user_error_types() -> tuple[type[Exception], ...]:
     return (UserError, ConfigError) if extra is None else (UserError, ConfigError, extra)
 
 
-def fail(message: object) -> NoReturn:
-    """Print `error: <message>` as one line on stderr and exit 2."""
+def fail(message: object, code: int = EXIT_USER_ERROR) -> NoReturn:
+    """Print `error: <message>` as one line on stderr and exit with `code` (2: bad input)."""
     one_line = " ".join(str(message).split("\n")).strip() or "unknown error"
     print(f"error: {one_line}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_USER_ERROR)
+    sys.exit(code)
 
 
 def _debug() -> bool:
@@ -49,6 +56,10 @@ def cli_main(fn: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
             if _debug():
                 raise
             fail(e)
+        except NumericsError as e:
+            if _debug():
+                raise
+            fail(e, EXIT_NUMERICS)
 
     return wrapper
 
