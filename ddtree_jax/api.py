@@ -1,8 +1,8 @@
 """Small Python API for scripts and notebooks: load a target (+ drafter), generate for a batch, get stats.
 
-    gen = Generator.load("checkpoints/kimi-mini", "checkpoints/kimi-mini-dflash")
-    res = gen.generate([[1, 2, 3], [4, 5]], method="ddtree", budget=16, max_new_tokens=64)
-    res.tokens[0], res.stats[0]["tokens_per_round"], res.tokens_per_s
+gen = Generator.load("checkpoints/kimi-mini", "checkpoints/kimi-mini-dflash")
+res = gen.generate([[1, 2, 3], [4, 5]], method="ddtree", budget=16, max_new_tokens=64)
+res.tokens[0], res.stats[0]["tokens_per_round"], res.tokens_per_s
 """
 
 from __future__ import annotations
@@ -49,8 +49,14 @@ class Generator:
         return self.target.config
 
     @classmethod
-    def load(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, *, dtype=jnp.bfloat16,
-             mesh: str | None = None) -> Generator:
+    def load(
+        cls,
+        target_dir: str | Path,
+        drafter_dir: str | Path | None = None,
+        *,
+        dtype=jnp.bfloat16,
+        mesh: str | None = None,
+    ) -> Generator:
         """Load HF-format checkpoints (the target's tokenizer too, when the directory has one)."""
         from ddtree_jax.checkpoint import load_target
         from ddtree_jax.dflash_checkpoint import load_drafter
@@ -63,8 +69,17 @@ class Generator:
         tok = load_tokenizer(target_dir) if has_tokenizer(target_dir) else None
         return cls(target, drafter, tok)
 
-    def spec(self, batch: int, prompt_len: int, *, method: str, budget: int, temperature: float,
-             max_new_tokens: int, ignore_eos: bool) -> engine.GenSpec:
+    def spec(
+        self,
+        batch: int,
+        prompt_len: int,
+        *,
+        method: str,
+        budget: int,
+        temperature: float,
+        max_new_tokens: int,
+        ignore_eos: bool,
+    ) -> engine.GenSpec:
         return engine.GenSpec(
             method=method,
             batch=batch,
@@ -86,9 +101,18 @@ class Generator:
         logging.info("compiled %s in %.1fs", spec, dt)
         return self._compiled[spec], dt
 
-    def generate(self, prompts: list[list[int]], *, method: str = "ddtree", budget: int = 16,
-                 temperature: float = 0.0, max_new_tokens: int = 128, seed: int = 0, ignore_eos: bool = False,
-                 pad_batch_to: int | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        method: str = "ddtree",
+        budget: int = 16,
+        temperature: float = 0.0,
+        max_new_tokens: int = 128,
+        seed: int = 0,
+        ignore_eos: bool = False,
+        pad_batch_to: int | None = None,
+    ) -> GenerationResult:
         """Generate for a batch of token-id prompts (different lengths allowed). pad_batch_to: run the program at
         this batch size (extra rows repeat the last prompt and are dropped) so batches share one compilation."""
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -96,8 +120,15 @@ class Generator:
         n = len(prompts)
         batch = max(n, pad_batch_to or 0)
         rows = list(prompts) + [prompts[-1]] * (batch - n)
-        spec = self.spec(batch, max(len(p) for p in rows), method=method, budget=budget, temperature=temperature,
-                         max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        spec = self.spec(
+            batch,
+            max(len(p) for p in rows),
+            method=method,
+            budget=budget,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=ignore_eos,
+        )
         (program, t_state, d_state), compile_s = self.compiled(spec)
         padded = np.zeros((batch, spec.prompt_len), np.int32)
         for i, p in enumerate(rows):
@@ -110,17 +141,21 @@ class Generator:
         for i in range(n):
             if bad[i] >= 0:
                 where = "prefill" if bad[i] == 0 else f"round {bad[i]}"
-                raise NumericsError(f"non-finite (NaN/inf) target logits in {where} of batch row {i}; "
-                                    "no tokens were emitted past that point")
+                raise NumericsError(
+                    f"non-finite (NaN/inf) target logits in {where} of batch row {i}; "
+                    "no tokens were emitted past that point"
+                )
         result_tokens = [tokens[i, : n_out[i]].tolist() for i in range(n)]
         stats = []
         for i in range(n):
             taus = np.arange(hist.shape[1])
             r = int(rounds[i])
-            stats.append({
-                "rounds": r,
-                "tokens_per_round": float((hist[i] * taus).sum() / r) if r else 0.0,
-                "accept_hist": hist[i, 1:].tolist(),
-            })
+            stats.append(
+                {
+                    "rounds": r,
+                    "tokens_per_round": float((hist[i] * taus).sum() / r) if r else 0.0,
+                    "accept_hist": hist[i, 1:].tolist(),
+                }
+            )
         total = sum(len(t) for t in result_tokens)
         return GenerationResult(result_tokens, stats, wall, compile_s, total / wall if wall > 0 else 0.0)

@@ -98,11 +98,7 @@ class KimiConfig:
         return scale
 
     def is_moe_layer(self, layer: int) -> bool:
-        return (
-            self.n_routed_experts > 0
-            and layer >= self.first_k_dense_replace
-            and layer % self.moe_layer_freq == 0
-        )
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -438,9 +434,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 def check_pair(target: KimiConfig, drafter: DFlashConfig) -> None:
     """Reject a drafter that cannot serve this target (hidden size, vocab, feature layers)."""
     if drafter.hidden_size != target.hidden_size:
-        raise ConfigError(
-            f"drafter hidden_size {drafter.hidden_size} does not match the target's {target.hidden_size}"
-        )
+        raise ConfigError(f"drafter hidden_size {drafter.hidden_size} does not match the target's {target.hidden_size}")
     if drafter.vocab_size != target.vocab_size:
         raise ConfigError(f"drafter vocab_size {drafter.vocab_size} does not match the target's {target.vocab_size}")
     if drafter.num_target_layers != target.num_hidden_layers:
@@ -479,9 +473,7 @@ def to_hf_dict(c: KimiConfig) -> dict[str, Any]:
         "topk_group": c.topk_group,
         "norm_topk_prob": c.norm_topk_prob,
         "rope_theta": c.rope_theta,
-        "rope_scaling": None
-        if c.rope_scaling is None
-        else {"type": "yarn", **dataclasses.asdict(c.rope_scaling)},
+        "rope_scaling": None if c.rope_scaling is None else {"type": "yarn", **dataclasses.asdict(c.rope_scaling)},
         "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.rms_norm_eps,
         "tie_word_embeddings": False,
@@ -512,7 +504,12 @@ def to_hf_dict(c: KimiConfig) -> dict[str, Any]:
                     "output_activations": None,
                 }
             },
-            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+            "ignore": [
+                "lm_head",
+                "re:.*self_attn.*",
+                "re:.*shared_experts.*",
+                "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+            ],
         }
     if c.layout == "flat":
         return text

@@ -76,8 +76,7 @@ def load_drafter(path: str | Path, *, dtype=jnp.bfloat16) -> DFlashDrafter:
 
 def drafter_hf_tensors(model: DFlashDrafter) -> dict[str, np.ndarray]:
     """The drafter's tensors under their z-lab names, bf16, HF orientation (inverse of `load_drafter`)."""
-    leaves = {p: np.asarray(jax.device_get(v.get_value()), np.float32)
-              for p, v in nnx.to_flat_state(nnx.state(model))}
+    leaves = {p: np.asarray(jax.device_get(v.get_value()), np.float32) for p, v in nnx.to_flat_state(nnx.state(model))}
     out = {}
     for name, _, (ppath, idx) in tensor_table(model.config):
         x = leaves[ppath][idx]
@@ -122,5 +121,9 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path, metadata: dict[str, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dflash_to_hf_dict(model.config), indent=2))
-    save_file(drafter_hf_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt", **(metadata or {})})
+    save_file(
+        drafter_hf_tensors(model),
+        str(out / "model.safetensors"),
+        metadata={"format": "pt", **(metadata or {})},
+    )
     return out

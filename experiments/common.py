@@ -22,8 +22,13 @@ def git_commit() -> str:
     if os.environ.get("DDTREE_COMMIT"):
         return os.environ["DDTREE_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -65,8 +70,13 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
-def write_results(name: str, records: Sequence[dict[str, Any]], columns: Sequence[str],
-                  out_dir: str | Path | None = None, extra: dict[str, Any] | None = None) -> Path:
+def write_results(
+    name: str,
+    records: Sequence[dict[str, Any]],
+    columns: Sequence[str],
+    out_dir: str | Path | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write `<name>.json` (metadata + records) and `<name>.md` (metadata line + table); returns the JSON path."""
     out = Path(out_dir) if out_dir else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,8 @@ def moe_swiglu_reference(
     uniq = jnp.unique(topk_ids.reshape(-1), size=slots, fill_value=-1)
     # combine[s, t]: weight of the expert in slot s for token t (0 when not routed / padding slot).
     combine = jnp.sum(
-        jnp.where(topk_ids[None, :, :] == uniq[:, None, None], topk_weights[None].astype(jnp.float32), 0.0), axis=-1
+        jnp.where(topk_ids[None, :, :] == uniq[:, None, None], topk_weights[None].astype(jnp.float32), 0.0),
+        axis=-1,
     )
 
     def one_expert(acc, slot):
@@ -86,6 +87,10 @@ def mla_attention_reference(
     s = jnp.einsum("bnhd,bld->bnhl", q, latent_cache, preferred_element_type=jnp.float32) * scale
     s = jnp.where(visible[:, :, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bnhl,bld->bnhd", p.astype(latent_cache.dtype), latent_cache[..., :value_dim],
-                   preferred_element_type=jnp.float32)
+    o = jnp.einsum(
+        "bnhl,bld->bnhd",
+        p.astype(latent_cache.dtype),
+        latent_cache[..., :value_dim],
+        preferred_element_type=jnp.float32,
+    )
     return o.astype(q.dtype)

@@ -76,10 +76,21 @@ def forward(w: dict[str, np.ndarray], cfg, tokens, positions, visible, capture=(
     """tokens/positions [N], visible [N, N] bool -> (logits [N, V], {layer: residual output [N, H]})."""
     w = {k: np.asarray(v, np.float64) for k, v in w.items()}
     y = cfg.rope_scaling
-    inv = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, y.factor, y.original_max_position_embeddings,
-                        y.beta_fast, y.beta_slow)
-    nh, p, r, vd, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                       cfg.kv_lora_rank)
+    inv = yarn_inv_freq(
+        cfg.qk_rope_head_dim,
+        cfg.rope_theta,
+        y.factor,
+        y.original_max_position_embeddings,
+        y.beta_fast,
+        y.beta_slow,
+    )
+    nh, p, r, vd, c = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    )
     pos = np.asarray(positions, np.float64)
     h = w["embed_tokens.weight"][np.asarray(tokens)]
     n = h.shape[0]

@@ -29,14 +29,16 @@ def test_round_trip_and_names(tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     c = model.config
     # The HF orientation is [out, in]; k_proj comes out of the fused kv_proj[l, 0].
-    np.testing.assert_array_equal(tensors["layers.1.self_attn.k_proj.weight"].astype(np.float32),
-                                  np.asarray(model.kv_proj[1, 0], np.float32).T)
+    np.testing.assert_array_equal(
+        tensors["layers.1.self_attn.k_proj.weight"].astype(np.float32),
+        np.asarray(model.kv_proj[1, 0], np.float32).T,
+    )
     assert tensors["fc.weight"].shape == (c.hidden_size, 2 * c.hidden_size)
     loaded = load_drafter(path)
-    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(loaded)),
-                              strict=True):
-        np.testing.assert_array_equal(np.asarray(a.get_value(), np.float32), np.asarray(b.get_value(), np.float32),
-                                      err_msg=str(p))
+    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(loaded)), strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(a.get_value(), np.float32), np.asarray(b.get_value(), np.float32), err_msg=str(p)
+        )
 
 
 def test_model_prefix_accepted(tmp_path):
@@ -47,12 +49,15 @@ def test_model_prefix_accepted(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded.fc[...], np.float32), np.asarray(model.fc[...], np.float32))
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (lambda t: t.pop("layers.0.mlp.up_proj.weight"), "layers.0.mlp.up_proj.weight"),
-    (lambda t: t.__setitem__("norm.weight", t["norm.weight"][:-1]), "norm.weight"),
-    (lambda t: t.__setitem__("fc.weight", t["fc.weight"].astype(np.float32)), "fc.weight"),
-    (lambda t: t.__setitem__("lm_head.weight", t["norm.weight"]), "lm_head.weight"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda t: t.pop("layers.0.mlp.up_proj.weight"), "layers.0.mlp.up_proj.weight"),
+        (lambda t: t.__setitem__("norm.weight", t["norm.weight"][:-1]), "norm.weight"),
+        (lambda t: t.__setitem__("fc.weight", t["fc.weight"].astype(np.float32)), "fc.weight"),
+        (lambda t: t.__setitem__("lm_head.weight", t["norm.weight"]), "lm_head.weight"),
+    ],
+)
 def test_bad_checkpoints_name_the_tensor(tmp_path, damage, needle):
     _, path = saved_drafter(tmp_path, 2)
     tensors = load_file(str(path / "model.safetensors"))

@@ -132,20 +132,24 @@ def test_compacted_cache_equals_linear_decode_cache(rounds, monkeypatch):
         committed = np.concatenate([prompts[b, : plen[b]], np.asarray(s.out[b, : n_out - 1])])
         assert len(committed) == start
         pos = jnp.arange(start)[None]
-        lin = target(jnp.asarray(committed[None]), pos, target.init_cache(1, start), jnp.zeros((1,), jnp.int32),
-                     feature_layers=layers)
+        lin = target(
+            jnp.asarray(committed[None]),
+            pos,
+            target.init_cache(1, start),
+            jnp.zeros((1,), jnp.int32),
+            feature_layers=layers,
+        )
         for c, r in zip(s.cache, lin.cache, strict=True):
             np.testing.assert_allclose(np.asarray(c[b, :start]), np.asarray(r[0]), rtol=2e-4, atol=2e-5)
         # Drafter context: committed positions < ctx_len are projected; the rest wait in pend_feats.
         ctx, pend = int(s.ctx_len[b]), int(s.pend_count[b])
         assert ctx + pend == start
         k, v = drafter.context_kv(lin.features, pos)
-        np.testing.assert_allclose(np.asarray(s.dcache.k[:, b, :ctx]), np.asarray(k[:, 0, :ctx]), rtol=2e-4,
-                                   atol=2e-5)
-        np.testing.assert_allclose(np.asarray(s.dcache.v[:, b, :ctx]), np.asarray(v[:, 0, :ctx]), rtol=2e-4,
-                                   atol=2e-5)
-        np.testing.assert_allclose(np.asarray(s.pend_feats[b, :pend]), np.asarray(lin.features[0, ctx:start]),
-                                   rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(s.dcache.k[:, b, :ctx]), np.asarray(k[:, 0, :ctx]), rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(s.dcache.v[:, b, :ctx]), np.asarray(v[:, 0, :ctx]), rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(
+            np.asarray(s.pend_feats[b, :pend]), np.asarray(lin.features[0, ctx:start]), rtol=2e-4, atol=2e-5
+        )
         moved |= pend > 1
     assert moved, "no round accepted a draft: the test did not exercise compaction"
 
@@ -180,8 +184,12 @@ def exact_joint(target, prompt, vocab, steps):
     seqs = np.array(np.meshgrid(*[np.arange(vocab)] * steps, indexing="ij")).reshape(steps, -1).T
     full = np.concatenate([np.broadcast_to(prompt, (len(seqs), len(prompt))), seqs], 1)
     n = full.shape[1]
-    out = target(jnp.asarray(full), jnp.broadcast_to(jnp.arange(n), full.shape), target.init_cache(len(seqs), n),
-                 jnp.zeros((len(seqs),), jnp.int32))
+    out = target(
+        jnp.asarray(full),
+        jnp.broadcast_to(jnp.arange(n), full.shape),
+        target.init_cache(len(seqs), n),
+        jnp.zeros((len(seqs),), jnp.int32),
+    )
     logp = np.asarray(jax.nn.log_softmax(target.logits(out.hidden), -1), np.float64)
     p0 = len(prompt) - 1
     total = sum(logp[np.arange(len(seqs)), p0 + j, seqs[:, j]] for j in range(steps))

@@ -6,12 +6,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import np_kimi
 import numpy as np
 import pytest
 from conftest import tiny_kimi_config
 from flax import nnx
 
-import np_kimi
 from ddtree_jax.config import YarnConfig, load_kimi_config
 from ddtree_jax.models.kimi import KimiForCausalLM
 from ddtree_jax.models.layers import yarn_inv_freq
@@ -34,7 +34,7 @@ def np_weights(model: KimiForCausalLM) -> dict[str, np.ndarray]:
     for name, t in hf.items():
         if not name.startswith(prefix) or name.endswith(("weight_scale", "weight_shape")):
             continue
-        short = name[len(prefix):].removeprefix("model.")
+        short = name[len(prefix) :].removeprefix("model.")
         if name.endswith("weight_packed"):
             base = name[: -len("weight_packed")]
             scale = np.asarray(hf[base + "weight_scale"], np.float64)
@@ -49,20 +49,30 @@ def make_model(cfg, seed=0, bias=True) -> KimiForCausalLM:
     m = KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=jnp.float32)
     # Round every float weight to bf16 values: HF checkpoints store bf16, so the NumPy side sees exactly these.
     state = nnx.state(m)
-    nnx.update(m, jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x,
-                               state))
+    nnx.update(
+        m,
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x, state),
+    )
     rng = np.random.default_rng(seed)
     for layer in cfg.moe_layers:  # nonzero correction bias: it must change the selection, not the weights
         mlp = m.layers[layer].mlp
-        mlp.e_score_correction_bias[...] = jnp.asarray(rng.normal(0, 0.5 if bias else 0, cfg.n_routed_experts),
-                                                       jnp.float32)
+        mlp.e_score_correction_bias[...] = jnp.asarray(
+            rng.normal(0, 0.5 if bias else 0, cfg.n_routed_experts), jnp.float32
+        )
     return m
 
 
 def full_forward(m, tokens, positions, mask=None, naive=False, feature_layers=()):
     b, n = tokens.shape
-    out = m(tokens, positions, m.init_cache(b, n + 4), jnp.zeros((b,), jnp.int32), mask,
-            feature_layers=feature_layers, naive=naive)
+    out = m(
+        tokens,
+        positions,
+        m.init_cache(b, n + 4),
+        jnp.zeros((b,), jnp.int32),
+        mask,
+        feature_layers=feature_layers,
+        naive=naive,
+    )
     return out, m.logits(out.hidden)
 
 
@@ -78,8 +88,7 @@ def test_prefill_logits_match_numpy(layout):
     tokens = np.random.randint(0, cfg.vocab_size, (1, n))
     pos = np.arange(n)[None]
     out, logits = full_forward(m, jnp.asarray(tokens), jnp.asarray(pos), feature_layers=(0, 2))
-    ref, feats = np_kimi.forward(np_weights(m), cfg, tokens[0], pos[0], np.tril(np.ones((n, n), bool)),
-                                 capture=(0, 2))
+    ref, feats = np_kimi.forward(np_weights(m), cfg, tokens[0], pos[0], np.tril(np.ones((n, n), bool)), capture=(0, 2))
     assert rel(logits[0], ref) < 1e-4
     assert rel(out.features[0], np.concatenate([feats[0], feats[2]], -1)) < 1e-4
 
@@ -140,8 +149,13 @@ def test_tree_verify_equals_linear_recompute_of_each_path():
     tree_tokens = rng.integers(0, cfg.vocab_size, t)
     cache = m.init_cache(1, prefix_len + t + 1)
     out = m(jnp.asarray(prefix[None]), jnp.arange(prefix_len)[None], cache, jnp.zeros((1,), jnp.int32), naive=True)
-    out = m(jnp.asarray(tree_tokens[None]), jnp.asarray(prefix_len + depth[None]), out.cache,
-            jnp.full((1,), prefix_len, jnp.int32), jnp.asarray(vis[None]))
+    out = m(
+        jnp.asarray(tree_tokens[None]),
+        jnp.asarray(prefix_len + depth[None]),
+        out.cache,
+        jnp.full((1,), prefix_len, jnp.int32),
+        jnp.asarray(vis[None]),
+    )
     logits = np.asarray(m.logits(out.hidden)[0], np.float64)
     for i in range(t):
         path = [j for j in range(t) if vis[i, j]]  # ancestors-or-self in order = the root-to-node path
@@ -161,8 +175,11 @@ def test_routing_with_correction_bias_matches_numpy():
     rid, rw = np_kimi.route(x, w, f"layers.{layer}.mlp", cfg)
     np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), np.sort(rid, -1))
     order = np.argsort(np.asarray(ids), -1)
-    np.testing.assert_allclose(np.take_along_axis(np.asarray(wts), order, -1),
-                               np.take_along_axis(rw, np.argsort(rid, -1), -1), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.take_along_axis(np.asarray(wts), order, -1),
+        np.take_along_axis(rw, np.argsort(rid, -1), -1),
+        rtol=1e-5,
+    )
     # The bias changed the selection (otherwise this test could not catch its misuse).
     plain = np.argsort(-(x @ w[f"layers.{layer}.mlp.gate.weight"].T), -1)[:, : cfg.num_experts_per_tok]
     assert not np.array_equal(np.sort(plain, -1), np.sort(rid, -1))
@@ -189,15 +206,25 @@ def test_group_limited_routing():
 @pytest.mark.parametrize(
     "factor,beta_fast,beta_slow,expect",
     [
-        (64.0, 32.0, 1.0, {0: 1.0, 8: 6.687403e-2, 9: 4.377666e-2, 19: 1.583750e-4, 20: 1.807023e-5,
-                           31: 4.382206e-7}),
+        (
+            64.0,
+            32.0,
+            1.0,
+            {0: 1.0, 8: 6.687403e-2, 9: 4.377666e-2, 19: 1.583750e-4, 20: 1.807023e-5, 31: 4.382206e-7},
+        ),
         (64.0, 1.0, 1.0, {19: 1.621760e-3, 20: 1.807023e-5}),
         (32.0, 1.0, 1.0, {20: 3.614047e-5}),
     ],
 )
 def test_yarn_tables_match_spec_constants(factor, beta_fast, beta_slow, expect):
-    y = YarnConfig(factor=factor, original_max_position_embeddings=4096, beta_fast=beta_fast, beta_slow=beta_slow,
-                   mscale=1.0, mscale_all_dim=1.0)
+    y = YarnConfig(
+        factor=factor,
+        original_max_position_embeddings=4096,
+        beta_fast=beta_fast,
+        beta_slow=beta_slow,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
     inv = yarn_inv_freq(64, 50000.0, y)
     for i, v in expect.items():
         assert inv[i] == pytest.approx(v, rel=1e-5)

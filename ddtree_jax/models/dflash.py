@@ -62,8 +62,7 @@ class DFlashDrafter(nnx.Module):
 
     def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
-        return rope_half(x, positions, yarn_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
-                         c.yarn_attention_factor)
+        return rope_half(x, positions, yarn_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), c.yarn_attention_factor)
 
     def _split_heads(self, x: jax.Array, heads: int) -> jax.Array:
         return x.reshape(*x.shape[:-1], heads, self.config.head_dim)

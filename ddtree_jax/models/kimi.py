@@ -144,7 +144,13 @@ class Int4Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array) -> jax.Array:
         return dispatch.moe_swiglu(
-            x, topk_ids, topk_weights, self.gate_up_q[...], self.gate_up_s[...], self.down_q[...], self.down_s[...]
+            x,
+            topk_ids,
+            topk_weights,
+            self.gate_up_q[...],
+            self.gate_up_s[...],
+            self.down_q[...],
+            self.down_s[...],
         )
 
 
@@ -210,7 +216,11 @@ class MoE(nnx.Module):
         xt = x.reshape(-1, shape[-1])
         ids, w = self.route(xt)
         if self.record_load:
-            self.sow(nnx.Intermediate, "expert_load", jnp.sum(jax.nn.one_hot(ids, self.cfg.n_routed_experts), (0, 1)))
+            self.sow(
+                nnx.Intermediate,
+                "expert_load",
+                jnp.sum(jax.nn.one_hot(ids, self.cfg.n_routed_experts), (0, 1)),
+            )
         y = self.experts(xt, ids, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xt)
@@ -230,7 +240,12 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, h, positions, cache, cache_len, block_mask, *, naive=False):
         a, cache = self.self_attn(
-            rms_norm(h, self.input_layernorm[...], self.eps), positions, cache, cache_len, block_mask, naive=naive
+            rms_norm(h, self.input_layernorm[...], self.eps),
+            positions,
+            cache,
+            cache_len,
+            block_mask,
+            naive=naive,
         )
         h = h + a
         h = h + self.mlp(rms_norm(h, self.post_attention_layernorm[...], self.eps))
@@ -251,10 +266,7 @@ class KimiForCausalLM(nnx.Module):
         quantized = cfg.quant is not None if quantized is None else quantized
         self.embed_tokens = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, std=1.0)
         self.layers = nnx.List(
-            [
-                DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, quantized=quantized)
-                for i in range(cfg.num_hidden_layers)
-            ]
+            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, quantized=quantized) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = _ones((cfg.hidden_size,), dtype)
         self.lm_head = _normal(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
