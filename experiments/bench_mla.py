@@ -1,0 +1,309 @@
+"""Benchmark the MLA decode / tree-verify kernel against the jitted plain-JAX reference.
+
+Measures in the same run the device copy bandwidth and the bf16 matmul rate (the two ceilings), checks the
+kernel on the GPU (poisoned partial outputs, rel. err vs an f32 reference), then times the reference and the
+kernel over a matrix of (context, nodes, batch, heads) cells. Per cell: time, bytes, FLOPs and the roofline
+fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. Each timing runs `--inner` calls inside one
+jitted loop, so launch gaps between kernels count but host dispatch does not. Results are rewritten after
+every cell.
+
+    python -m experiments.bench_mla --preset=targets
+    python -m experiments.bench_mla --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64,8 --sweep
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from jax import lax  # noqa: E402
+
+from experiments import common  # noqa: E402
+from pallas_kernels.mla_attention import MLAConfig, default_config, mla_attention_split  # noqa: E402
+from pallas_kernels.reference import mla_attention_reference  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum(
+    "preset",
+    "targets",
+    ["key", "targets", "full", "custom"],
+    "cell matrix (key: the issue's target cells only)",
+)
+flags.DEFINE_list("contexts", ["60", "1024", "4096", "8192", "32768", "131072"], "prefix lengths (custom)")
+flags.DEFINE_list("nodes", ["1", "9", "17", "33", "65"], "new nodes N (custom)")
+flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes (custom)")
+flags.DEFINE_list("heads", ["64", "8"], "query heads (custom)")
+flags.DEFINE_bool("sweep", False, "also time a set of tilings on the sweep cells")
+flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
+flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
+flags.DEFINE_integer("ceiling_size", 8192, "matmul size; the copy moves ceiling_size^2 * 16 bf16 values")
+flags.DEFINE_bool("interpret", False, "run the kernel in Pallas interpret mode (CPU smoke test)")
+flags.DEFINE_string("out_dir", None, "results directory (default experiments/results)")
+flags.DEFINE_string("name", "bench_mla", "results file stem")
+
+DK, DV, SCALE = 576, 512, 0.1446796
+SWEEP_CONFIGS = [
+    MLAConfig(block_r=64, block_k=32, num_warps=8, num_stages=3),
+    MLAConfig(block_r=64, block_k=64, num_warps=8, num_stages=2),
+    MLAConfig(block_r=64, block_k=32, num_warps=4, num_stages=3),
+    MLAConfig(block_r=64, block_k=64, num_warps=4, num_stages=2),
+    MLAConfig(block_r=16, block_k=64, num_warps=4, num_stages=3),
+    MLAConfig(block_r=16, block_k=128, num_warps=4, num_stages=2),
+]
+SWEEP_CELLS = [
+    (4096, 1, 8, 64),
+    (32768, 1, 8, 64),
+    (8192, 1, 8, 8),
+    (8192, 17, 1, 64),
+    (8192, 33, 8, 64),
+    (8192, 17, 8, 8),
+]
+
+
+def cells() -> list[tuple[int, int, int, int]]:
+    """(context, nodes, batch, heads) cells of the selected preset."""
+    if FLAGS.preset == "key":
+        decode = [(c, 1, b, h) for c, b in ((4096, 8), (8192, 32), (32768, 8)) for h in (64, 8)]
+        return [
+            (60, 1, 1, 64),
+            *decode,
+            *[(8192, n, b, h) for n in (17, 33) for b in (1, 8) for h in (64, 8)],
+        ]
+    if FLAGS.preset == "custom":
+        lists = [[int(v) for v in getattr(FLAGS, f)] for f in ("contexts", "nodes", "batches", "heads")]
+        return list(itertools.product(*lists))
+    out = [(c, 1, b, h) for c in (4096, 8192, 32768, 131072) for b in (8, 32) for h in (64, 8)]
+    out += [(c, 1, 1, h) for c in (60, 4096, 32768) for h in (64, 8)]
+    out += [(8192, n, b, h) for n in (9, 17, 33, 65) for b in (1, 8) for h in (64, 8)]
+    out += [(c, n, 8, h) for c in (60, 1024, 32768) for n in (17, 65) for h in (64, 8)]
+    if FLAGS.preset == "full":
+        out += [(c, n, 32, h) for c in (1024, 8192) for n in (9, 17, 33, 65) for h in (64, 8)]
+    return out
+
+
+def random_tree_mask(rng: np.random.Generator, batch: int, n: int) -> np.ndarray:
+    """Ancestor-or-self masks `[B, N, N]` of random trees (parents[i] < i)."""
+    mask = np.zeros((batch, n, n), bool)
+    for b in range(batch):
+        for i in range(n):
+            mask[b, i] = mask[b, rng.integers(0, i)] if i else False
+            mask[b, i, i] = True
+    return mask
+
+
+def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, heads: int):
+    """Random bf16 q `[B, N, Hq, 576]`, cache `[B, context + N, 576]`, prefix_len = context, tree mask."""
+    key_q, key_c = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
+    q = jax.random.normal(key_q, (batch, n, heads, DK), jnp.bfloat16)
+    cache = jax.random.normal(key_c, (batch, context + n, DK), jnp.bfloat16)
+    prefix = jnp.full((batch,), context, jnp.int32)
+    return q, cache, prefix, jnp.asarray(random_tree_mask(rng, batch, n))
+
+
+def looped(fn: Callable[..., jax.Array], inner: int) -> Callable[..., jax.Array]:
+    """jit of `inner` dependent calls of fn(q, ...); q[0,0,0,0] is rewritten each step: nothing is hoisted."""
+
+    def run(q, *rest):
+        def body(_, q):
+            o = fn(q, *rest)
+            return q.at[0, 0, 0, 0].set(q[0, 0, 0, 0] + 0 * o[0, 0, 0, 0].astype(q.dtype))
+
+        return lax.fori_loop(0, inner, body, q)
+
+    return jax.jit(run)
+
+
+def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> float:
+    """Seconds per call of fn(*args), from a jitted loop of FLAGS.inner calls."""
+    loop = looped(fn, FLAGS.inner)
+    return common.time_fn(lambda: loop(*args), warmup=1, repeats=5) / FLAGS.inner
+
+
+def copy_bandwidth() -> dict[str, float]:
+    """Device copy bandwidth (bytes read + written per second): PyTorch copy_ if importable, and XLA x + 1."""
+    out = {}
+    n = FLAGS.ceiling_size**2 * 16
+    f = jax.jit(lambda a: a + 1)
+    x = jnp.ones((n,), jnp.bfloat16) * 3
+    out["xla_add_tbps"] = 2 * x.nbytes / common.time_fn(lambda: f(x)) / 1e12
+    x.delete()
+    try:
+        import torch
+    except ImportError:
+        return out
+    a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        b.copy_(a)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    out["torch_copy_tbps"] = 2 * a.numel() * 2 * 10 / (start.elapsed_time(end) * 1e-3) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return out
+
+
+def matmul_rate() -> float:
+    """bf16 square matmul rate (FLAGS.ceiling_size) through XLA, FLOP/s (random data)."""
+    n = FLAGS.ceiling_size
+    ka, kb = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    return 2 * n**3 / common.time_fn(lambda: f(a, b))
+
+
+def cost(context: int, n: int, batch: int, heads: int) -> tuple[float, float]:
+    """(bytes, FLOPs) of one call: cache rows read once, q read, output written; QK (576) + PV (512) MACs."""
+    length = context + n
+    nbytes = batch * (length * DK + n * heads * (DK + DV)) * 2
+    flops = 2.0 * batch * n * heads * length * (DK + DV)
+    return nbytes, flops
+
+
+def rel_err(out: jax.Array, ref: jax.Array) -> float:
+    """||out - ref|| / ||ref|| in f64 on the host (NaN if out holds NaN)."""
+    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(o - r) / np.linalg.norm(r))
+
+
+def check(rng: np.random.Generator, config: MLAConfig | None = None) -> list[dict[str, Any]]:
+    """GPU correctness: ragged prefixes, random trees, poisoned partials; rel. err vs an f32 reference."""
+    records = []
+    shrink = 50 if FLAGS.interpret else 1  # interpret mode is slow: shorter contexts
+    for context, n, batch, heads in [(4000, 1, 4, 64), (8100, 17, 3, 8), (300, 33, 2, 64), (50, 65, 2, 8)]:
+        context //= shrink
+        q, cache, _, mask = make_inputs(rng, context, n, batch, heads)
+        prefix = jnp.asarray(rng.integers(0, context + 1, batch), jnp.int32)
+        cfg = config or default_config(batch, n * heads, cache.shape[1])
+        out = mla_attention_split(q, cache, prefix, mask, SCALE, DV, config=cfg, poison=True, interpret=FLAGS.interpret)
+        with jax.default_matmul_precision("highest"):
+            ref = mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), prefix, mask, SCALE)
+        err = rel_err(out, ref)
+        records.append(
+            {
+                "context": context,
+                "nodes": n,
+                "batch": batch,
+                "heads": heads,
+                "rel_err": err,
+                "ok": bool(err < 1e-2),
+                "config": str(cfg),
+            }
+        )
+        logging.info("check %s", records[-1])
+    return records
+
+
+def bench_cell(
+    rng: np.random.Generator,
+    cell: tuple[int, int, int, int],
+    ceilings: dict[str, float],
+    configs: Sequence[MLAConfig | None],
+) -> list[dict[str, Any]]:
+    """Time the reference and each kernel config on one cell; one record per config."""
+    context, n, batch, heads = cell
+    nbytes, flops = cost(*cell)
+    floor = max(nbytes / ceilings["bw"], flops / ceilings["mm"])
+    q, cache, prefix, mask = make_inputs(rng, context, n, batch, heads)
+    base = {
+        "context": context,
+        "nodes": n,
+        "batch": batch,
+        "heads": heads,
+        "MB": nbytes / 1e6,
+        "GFLOP": flops / 1e9,
+        "floor_us": floor * 1e6,
+    }
+    ref_set = 3 * batch * n * heads * (context + n) * 4
+    ref_t = float("nan")
+    if ref_set < FLAGS.mem_gib * 2**30:
+        ref_fn = lambda q_, c_, p_, m_: mla_attention_reference(q_, c_, p_, m_, SCALE, DV)
+        ref_t = time_per_call(ref_fn, (q, cache, prefix, mask))
+    records = []
+    for cfg in configs:
+        cfg = cfg or default_config(batch, n * heads, cache.shape[1])
+        fn = lambda q_, c_, p_, m_, cfg=cfg: mla_attention_split(
+            q_, c_, p_, m_, SCALE, DV, config=cfg, interpret=FLAGS.interpret
+        )
+        try:
+            t = time_per_call(fn, (q, cache, prefix, mask))
+        except Exception as e:  # noqa: BLE001 - one failing tiling must not end the run
+            logging.warning("cell %s config %s failed: %s", cell, cfg, str(e)[:300])
+            continue
+        records.append(
+            {
+                **base,
+                "ref_us": ref_t * 1e6,
+                "kernel_us": t * 1e6,
+                "speedup": ref_t / t,
+                "TB/s": nbytes / t / 1e12,
+                "TFLOP/s": flops / t / 1e12,
+                "roofline": floor / t,
+                "ref_roofline": floor / ref_t,
+                "bound": "mem" if nbytes / ceilings["bw"] > flops / ceilings["mm"] else "mma",
+                "config": f"r{cfg.block_r}k{cfg.block_k}s{cfg.num_splits}w{cfg.num_warps}st{cfg.num_stages}",
+            }
+        )
+        logging.info("%s", records[-1])
+    return records
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    t0 = time.time()
+    rng = np.random.default_rng(0)
+    bw = copy_bandwidth()
+    mm = matmul_rate()
+    ceilings = {"bw": bw.get("torch_copy_tbps", bw["xla_add_tbps"]) * 1e12, "mm": mm}
+    logging.info("ceilings: %s, matmul %.1f TFLOP/s", bw, mm / 1e12)
+    checks = check(rng)
+    columns = [
+        "context",
+        "nodes",
+        "batch",
+        "heads",
+        "ref_us",
+        "kernel_us",
+        "speedup",
+        "MB",
+        "GFLOP",
+        "TB/s",
+        "TFLOP/s",
+        "bound",
+        "roofline",
+        "ref_roofline",
+        "config",
+    ]
+    extra = {
+        "ceilings": {**bw, "matmul_tflops": mm / 1e12, "roofline_bw_tbps": ceilings["bw"] / 1e12},
+        "checks": checks,
+        "inner": FLAGS.inner,
+    }
+    work = [(cell, [None]) for cell in cells()]
+    work += [(cell, SWEEP_CONFIGS) for cell in SWEEP_CELLS] if FLAGS.sweep else []
+    records = []
+    for cell, configs in work:
+        records += bench_cell(rng, cell, ceilings, configs)
+        path = common.write_results(FLAGS.name, records, columns, FLAGS.out_dir, {**extra, "wall_s": time.time() - t0})
+    print(f"ceilings: {extra['ceilings']}")
+    print("checks:", [(c["context"], c["nodes"], c["batch"], c["heads"], f"{c['rel_err']:.1e}") for c in checks])
+    print(common.markdown_table(records, columns))
+    print(f"wrote {path} in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    app.run(main)
