@@ -321,13 +321,14 @@ def _experts(
     reader: Reader, c: KimiConfig, layer: int, plan: list, quantized: bool
 ) -> Iterator[tuple[ParamPath, np.ndarray]]:
     """Stack one MoE layer's routed experts into the model's layout: gate_up_q `[E, 2I, H/8]` int32 words
-    (unpacked to int4 on the device), gate_up_s `[E, 2I, H/G]`, down_q `[E, H, I/8]`, down_s `[E, H, I/G]`;
+    (unpacked to int4 on the device), gate_up_s `[E, H/G, 2I]`, down_q `[E, H, I/8]`, down_s `[E, I/G, H]`
+    (scales group-major: the MoE kernel's layout, transposed from the checkpoint's `[out, in/G]`);
     or, unquantized, gate_up `[E, H, 2I]`, down `[E, I, H]`."""
     e, h, inter, g = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, group_size(c)
     p = ("layers", layer, "mlp", "experts")
     if quantized:
-        gu_q, gu_s = np.empty((e, 2 * inter, h // 8), np.int32), np.empty((e, 2 * inter, h // g), BF16)
-        d_q, d_s = np.empty((e, h, inter // 8), np.int32), np.empty((e, h, inter // g), BF16)
+        gu_q, gu_s = np.empty((e, 2 * inter, h // 8), np.int32), np.empty((e, h // g, 2 * inter), BF16)
+        d_q, d_s = np.empty((e, h, inter // 8), np.int32), np.empty((e, inter // g, h), BF16)
     else:
         gu, d = np.empty((e, h, 2 * inter), BF16), np.empty((e, inter, h), BF16)
     for k, (base, out_in, packed) in enumerate(plan):
@@ -335,9 +336,9 @@ def _experts(
         x = _read_expert(reader, base, out_in, packed, g, quantized)
         rows = slice(proj * inter, (proj + 1) * inter)
         if quantized and proj < 2:
-            gu_q[ex, rows], gu_s[ex, rows] = x
+            gu_q[ex, rows], gu_s[ex, :, rows] = x[0], x[1].T
         elif quantized:
-            d_q[ex], d_s[ex] = x
+            d_q[ex], d_s[ex] = x[0], x[1].T
         elif proj < 2:
             gu[ex, :, rows] = x.T
         else:

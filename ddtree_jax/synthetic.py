@@ -129,7 +129,7 @@ def hf_tensors_from_model(model: nnx.Module) -> dict[str, np.ndarray]:
                 ex, proj = divmod(k, 3)
                 rows = slice(proj * inter, (proj + 1) * inter) if proj < 2 else slice(None)
                 src_q, src_s = gu if proj < 2 else dn
-                q, s = src_q[ex, rows], src_s[ex, rows]
+                q, s = src_q[ex, rows], src_s[ex, :, rows].T  # scales are stored group-major [K/G, N]
                 if config.quant is not None:
                     packed, scale, shp = packed_specs(base, shape, g)
                     tensors[packed], tensors[scale] = quant.pack_int4_to_int32(q), s.astype(BF16)

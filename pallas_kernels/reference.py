@@ -10,9 +10,10 @@ import jax.numpy as jnp
 
 
 def dequantize_int4(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
-    """int4 `[..., N, K]` with scales `[..., N, K / G]` -> `[..., N, K]` in `dtype` (w = q * scale)."""
-    group = q.shape[-1] // scale.shape[-1]
-    s = jnp.repeat(scale.astype(jnp.float32), group, axis=-1)
+    """int4 `[..., N, K]` with group-major scales `[..., K / G, N]` -> `[..., N, K]` in `dtype`:
+    w[n, k] = q[n, k] * scale[k // G, n]."""
+    group = q.shape[-1] // scale.shape[-2]
+    s = jnp.repeat(jnp.swapaxes(scale, -1, -2).astype(jnp.float32), group, axis=-1)
     return (q.astype(jnp.float32) * s).astype(dtype)
 
 
@@ -28,8 +29,8 @@ def moe_swiglu_reference(
     """Routed-expert SwiGLU of one MoE layer with INT4 group-quantized experts.
 
     x: `[T, H]` bf16; topk_ids: `[T, k]` int32; topk_weights: `[T, k]` f32 (already renormalised and scaled).
-    gate_up_q: int4 `[E, 2I, H]` (rows 0..I-1 gate, I..2I-1 up), gate_up_s: bf16 `[E, 2I, H/G]`;
-    down_q: int4 `[E, H, I]`, down_s: bf16 `[E, H, I/G]`.
+    gate_up_q: int4 `[E, 2I, H]` (rows 0..I-1 gate, I..2I-1 up), gate_up_s: bf16 `[E, H/G, 2I]`;
+    down_q: int4 `[E, H, I]`, down_s: bf16 `[E, I/G, H]` (scales group-major, see `dequantize_int4`).
     Returns `[T, H]` in x.dtype: sum_k w[t,k] * down_e(silu(gate_e x) * up_e x), accumulated in f32.
 
     Reads only the distinct experts that received tokens: a scan over min(T*k, E) expert slots, each slot

@@ -43,9 +43,9 @@ def _experts_by_hand(t: dict[str, np.ndarray], n: str, cfg, quantized: bool) -> 
     if quantized:
         return {
             "gate_up_q": np.concatenate([q["gate_proj"], q["up_proj"]], axis=1),
-            "gate_up_s": np.concatenate([s["gate_proj"], s["up_proj"]], axis=1),
+            "gate_up_s": np.concatenate([s["gate_proj"], s["up_proj"]], axis=1).transpose(0, 2, 1),
             "down_q": q["down_proj"],
-            "down_s": s["down_proj"],
+            "down_s": s["down_proj"].transpose(0, 2, 1),
         }
     w = {k: q[k] * np.repeat(s[k], 32, axis=-1) for k in q}
     return {
@@ -357,7 +357,7 @@ def test_float_expert_checkpoint(tmp_path):
             np.testing.assert_array_equal(gate_up[e, :, inter:], w["up_proj"].T)
             np.testing.assert_array_equal(down[e], w["down_proj"].T)
             both = np.concatenate([w["gate_proj"], w["up_proj"]])  # [2I, H]
-            s_full = np.repeat(s[e], 32, axis=-1)
+            s_full = np.repeat(s[e].T, 32, axis=-1)
             assert np.all(np.abs(q[e] * s_full - both) <= 0.5 * s_full * (1 + 2**-6))
             assert np.all(np.abs(q[e]) <= 7) and s[e].max() > 0
     back = synthetic.hf_tensors_from_model(checkpoint.load_target(path))

@@ -254,4 +254,4 @@ def test_full_size_model_builds_abstractly(spec_configs):
     assert n == pytest.approx(1.0264e12, rel=2e-3)
     experts = state["layers"][1]["mlp"]["experts"]
     assert experts["gate_up_q"].shape == (384, 4096, 7168) and experts["gate_up_q"].dtype == jnp.int4
-    assert experts["down_s"].shape == (384, 7168, 64)
+    assert experts["down_s"].shape == (384, 64, 7168)  # group-major scales [E, I/32, H]
