@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.sharding import Mesh
 
-from ddtree_jax import engine
+from ddtree_jax import engine, sharding
 from ddtree_jax.config import check_pair
 from ddtree_jax.errors import NumericsError
 from ddtree_jax.models.dflash import DFlashDrafter
@@ -38,9 +39,23 @@ class GenerationResult:
 class Generator:
     """A target model, an optional DFlash drafter and tokenizer, and a cache of compiled programs."""
 
-    def __init__(self, target: KimiForCausalLM, drafter: DFlashDrafter | None = None, tokenizer=None):
+    def __init__(
+        self,
+        target: KimiForCausalLM,
+        drafter: DFlashDrafter | None = None,
+        tokenizer=None,
+        *,
+        mesh: Mesh | str | None = None,
+    ):
+        """mesh: a `jax.sharding.Mesh` or spec like "expert=8,tensor=1" (sharding.py); None: all local devices
+        on `expert` when there are several, else the single-device program. Params are placed on it."""
         if drafter is not None:
             check_pair(target.config, drafter.config)
+        self.mesh = sharding.resolve_mesh(mesh)
+        if self.mesh is not None:
+            sharding.shard_model(target, self.mesh)
+            if drafter is not None:
+                sharding.shard_model(drafter, self.mesh)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self._compiled: dict[engine.GenSpec, tuple] = {}
 
@@ -57,17 +72,19 @@ class Generator:
         dtype=jnp.bfloat16,
         mesh: str | None = None,
     ) -> Generator:
-        """Load HF-format checkpoints (the target's tokenizer too, when the directory has one)."""
+        """Load HF-format checkpoints (the target's tokenizer too, when the directory has one).
+
+        mesh: as in `__init__`; each target tensor goes straight to its shards as it is read."""
         from ddtree_jax.checkpoint import load_target
         from ddtree_jax.dflash_checkpoint import load_drafter
         from ddtree_jax.tokenizer import has_tokenizer, load_tokenizer
 
-        if mesh is not None:
-            raise NotImplementedError("--mesh: sharded loading is not implemented yet")
-        target = load_target(target_dir, dtype=dtype)
+        mesh = sharding.resolve_mesh(mesh)
+        place = sharding.sharding_fn(mesh) if mesh is not None else None
+        target = load_target(target_dir, dtype=dtype, sharding_fn=place)
         drafter = load_drafter(drafter_dir, dtype=dtype) if drafter_dir is not None else None
         tok = load_tokenizer(target_dir) if has_tokenizer(target_dir) else None
-        return cls(target, drafter, tok)
+        return cls(target, drafter, tok, mesh=mesh)
 
     def spec(
         self,
@@ -96,7 +113,8 @@ class Generator:
             return self._compiled[spec], 0.0
         t0 = time.perf_counter()
         drafter = self.drafter if spec.method != "ar" else None
-        self._compiled[spec] = engine.compile_generate(self.target, drafter, spec)
+        with sharding.use_mesh(self.mesh):
+            self._compiled[spec] = engine.compile_generate(self.target, drafter, spec)
         dt = time.perf_counter() - t0
         logging.info("compiled %s in %.1fs", spec, dt)
         return self._compiled[spec], dt

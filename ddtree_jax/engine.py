@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ddtree_jax import sharding
 from ddtree_jax import tree as ddtree
 from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache
-from ddtree_jax.models.kimi import KimiForCausalLM, LatentCache
+from ddtree_jax.models.kimi import ForwardOut, KimiForCausalLM, LatentCache
 from ddtree_jax.sampling import sample
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -40,11 +41,12 @@ class GenSpec:
     budget: int = 16  # non-root tree nodes (ddtree); the chain uses D
     temperature: float = 0.0
     stop_ids: tuple[int, ...] = ()
+    prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks (absorbed MLA over the cache)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method {self.method!r} not one of {METHODS}")
-        if self.budget < 1 or self.max_new_tokens < 1 or self.batch < 1 or self.prompt_len < 1:
+        if min(self.budget, self.max_new_tokens, self.batch, self.prompt_len, self.prefill_chunk) < 1:
             raise ValueError(f"invalid GenSpec {self}")
 
 
@@ -84,9 +86,16 @@ def tree_size(spec: GenSpec, draft_len: int) -> int:
     return 1 + (draft_len if spec.method == "dflash" else spec.budget)
 
 
+def prefill_len(spec: GenSpec) -> int:
+    """Slots the prefill writes: the prompt, rounded up to whole chunks when it is chunked."""
+    if spec.prompt_len <= spec.prefill_chunk:
+        return spec.prompt_len
+    return -(-spec.prompt_len // spec.prefill_chunk) * spec.prefill_chunk
+
+
 def cache_capacity(spec: GenSpec, draft_len: int) -> int:
     """Slots needed in the target cache: prompt + generated + one verify block, plus one slot of slack."""
-    return spec.prompt_len + spec.max_new_tokens + tree_size(spec, draft_len) + 1
+    return max(prefill_len(spec), spec.prompt_len + spec.max_new_tokens + tree_size(spec, draft_len) + 1)
 
 
 def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
@@ -147,32 +156,54 @@ def prefill(
     prompt_len: jax.Array,
     key: jax.Array,
 ) -> LoopState:
-    """prompts `[B, P]` right-padded, prompt_len `[B]` -> the loop state after the first generated token."""
-    b, p = prompts.shape
+    """prompts `[B, P]` right-padded, prompt_len `[B]` -> the loop state after the first generated token.
+
+    Up to `spec.prefill_chunk` tokens: one pass in the naive (per-head) MLA form. Longer: a scan over chunks in the
+    absorbed form, each attending to the cache the earlier chunks wrote, so attention memory stays chunk x context.
+    """
+    b = prompts.shape[0]
     d = num_draft(drafter)
     cap = cache_capacity(spec, d)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    feature_layers = drafter.config.target_layer_ids if drafter is not None else ()
     zeros = jnp.zeros((b,), jnp.int32)
-    fwd = target(prompts, positions, target.init_cache(b, cap), zeros, feature_layers=feature_layers, naive=True)
-    last = _gather_rows(fwd.hidden, (prompt_len - 1)[:, None])[:, 0]
+    cache = target.init_cache(b, cap)
+    dcache = drafter.init_cache(b, cap) if drafter is not None else None
+    chunk = min(spec.prompt_len, spec.prefill_chunk)
+    n_chunks = prefill_len(spec) // chunk
+    chunks = jnp.pad(prompts, ((0, 0), (0, n_chunks * chunk - prompts.shape[1])))
+    chunks = chunks.reshape(b, n_chunks, chunk).transpose(1, 0, 2)  # [n_chunks, B, C]
+    feature_layers = drafter.config.target_layer_ids if drafter is not None else ()
+
+    def step(carry, i):
+        cache, dcache, last = carry
+        offset = i * chunk
+        positions = jnp.broadcast_to(offset + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+        fwd = target(chunks[i], positions, cache, zeros + offset, feature_layers=feature_layers, naive=n_chunks == 1)
+        if drafter is not None:
+            dcache = drafter.append_context(dcache, fwd.features, positions, zeros + offset)
+        idx = prompt_len - 1 - offset  # the row's last prompt token, if it falls in this chunk
+        here = (idx >= 0) & (idx < chunk)
+        last = jnp.where(here[:, None], _gather_rows(fwd.hidden, jnp.clip(idx, 0, chunk - 1)[:, None])[:, 0], last)
+        return (fwd.cache, dcache, last), None
+
+    last0 = jnp.zeros((b, target.config.hidden_size), target.dtype)
+    (cache, dcache, last), _ = jax.lax.scan(step, (cache, dcache, last0), jnp.arange(n_chunks))
     key, sub = jax.random.split(key)
     logits = target.logits(last)
     first = sample(logits, sub, spec.temperature)
     finite = _finite_rows(logits)
     out = jnp.zeros((b, spec.max_new_tokens + d + 1), jnp.int32).at[:, 0].set(first)
     done = _is_stop(first, spec.stop_ids) | (spec.max_new_tokens <= 1) | ~finite
-    dcache, pend_feats = None, None
+    pend_feats = None
     if drafter is not None:
-        dcache = drafter.append_context(drafter.init_cache(b, cap), fwd.features, positions, zeros)
-        pend_feats = jnp.zeros((b, d + 1, fwd.features.shape[-1]), fwd.features.dtype)
+        width = len(drafter.config.target_layer_ids) * target.config.hidden_size
+        pend_feats = jnp.zeros((b, d + 1, width), target.dtype)
     return LoopState(
         out=out,
         n_out=finite.astype(jnp.int32),
         start=prompt_len.astype(jnp.int32),
         root=first,
         done=done,
-        cache=fwd.cache,
+        cache=cache,
         dcache=dcache,
         ctx_len=prompt_len.astype(jnp.int32),
         pend_feats=pend_feats,
@@ -231,27 +262,38 @@ def build_trees(spec: GenSpec, draft_logits: jax.Array, root: jax.Array) -> ddtr
     """Per-row tree from draft logits `[B, D, V]`: the greedy chain (dflash) or the best-`budget` tree (ddtree)."""
     if spec.method == "dflash":
         return jax.vmap(ddtree.chain_tree)(draft_logits, root)
-    return jax.vmap(lambda lg, r: ddtree.build_tree(lg, r, spec.budget))(draft_logits, root)
+    # = ddtree.build_tree per row; vocab-parallel when the active mesh splits the lm_head vocabulary.
+    lp_k, ids_k = sharding.topk_logsoftmax(draft_logits, min(spec.budget, draft_logits.shape[-1]))
+    return jax.vmap(lambda lp, ids, r: ddtree.build_tree_from_topk(lp, ids, r, spec.budget))(lp_k, ids_k, root)
 
 
-def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s: LoopState) -> LoopState:
-    """draft -> tree -> verify -> walk -> commit + compact, for every row."""
-    d = drafter.config.num_draft
-    key, sub = jax.random.split(s.key)
-    draft_logits, dcache = draft(target, drafter, s)
-    tree = build_trees(spec, draft_logits, s.root)
-    mask = jax.vmap(lambda t: ddtree.ancestor_mask(t, d))(tree)
+def verify(
+    target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s: LoopState, tree: ddtree.Tree, key: jax.Array
+) -> tuple[ForwardOut, jax.Array, jax.Array]:
+    """Target forward over the trees (ancestor mask, positions start + depth), then one target draw per node.
+
+    Returns (forward, post `[B, T]`, finite `[B]`: every logit of the row was finite).
+    """
+    mask = jax.vmap(lambda t: ddtree.ancestor_mask(t, drafter.config.num_draft))(tree)
     positions = s.start[:, None] + tree.depth
     fwd = target(tree.tokens, positions, s.cache, s.start, mask, feature_layers=drafter.config.target_layer_ids)
     logits = target.logits(fwd.hidden)
-    post = sample(logits, sub, spec.temperature)  # [B, T]: one target draw per node
+    return fwd, sample(logits, key, spec.temperature), _finite_rows(logits)
+
+
+def accept(
+    spec: GenSpec, s: LoopState, tree: ddtree.Tree, features: jax.Array, cache: LatentCache, post, finite
+) -> LoopState:
+    """Walk the verified trees, commit the accepted path + bonus, compact the target cache (already holding the
+    tree's entries at start..start+T-1) and queue the accepted nodes' features for the drafter."""
+    d = s.pend_feats.shape[1] - 1
     path, tau, bonus = jax.vmap(lambda t, p: ddtree.follow_verified_tree(t, p, d))(tree, post)
     path = jnp.maximum(path, 0)
     # Emitted this round: the accepted nodes after the root, then the bonus token.
     accepted = _gather_rows(tree.tokens, jnp.concatenate([path[:, 1:], path[:, :1]], axis=1))
     new_tokens = jnp.where(jnp.arange(d + 1)[None, :] == (tau - 1)[:, None], bonus[:, None], accepted)
     active = ~s.done
-    cache = compact_cache(fwd.cache, s.start, jnp.where(active[:, None], path, jnp.arange(d + 1)[None, :]))
+    cache = compact_cache(cache, s.start, jnp.where(active[:, None], path, jnp.arange(d + 1)[None, :]))
     return _finish_round(
         spec,
         s,
@@ -259,13 +301,20 @@ def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s
         tau,
         bonus,
         cache,
-        _finite_rows(logits),
-        key=key,
-        dcache=dcache,
+        finite,
         ctx_len=jnp.where(active, s.ctx_len + s.pend_count, s.ctx_len),
-        pend_feats=_gather_rows(fwd.features, path),
+        pend_feats=_gather_rows(features, path),
         pend_count=jnp.where(active, tau, 0),
     )
+
+
+def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s: LoopState) -> LoopState:
+    """draft -> tree -> verify -> walk -> commit + compact, for every row."""
+    key, sub = jax.random.split(s.key)
+    draft_logits, dcache = draft(target, drafter, s)
+    tree = build_trees(spec, draft_logits, s.root)
+    fwd, post, finite = verify(target, drafter, spec, s, tree, sub)
+    return accept(spec, s._replace(key=key, dcache=dcache), tree, fwd.features, fwd.cache, post, finite)
 
 
 def generate(

@@ -4,7 +4,9 @@
 
 Everything that can be checked (flags, configs, tokenizer, prompts, lengths) is checked before any weight is
 loaded; bad input is a one-line `error:` with exit code 2. Each finished batch is written to --output at once
-(atomically), in input order; --resume skips ids already there.
+(atomically), in input order; --resume skips ids already there. Before loading, the run's per-device memory
+(`ddtree_jax.memory.plan`) is compared with the device's free memory ($DDTREE_FREE_BYTES overrides it) and a
+run that cannot fit is refused with what would.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Any, TextIO
 
 from absl import app, flags, logging
 
+from ddtree_jax import memory
 from ddtree_jax.config import DFlashConfig, check_pair, load_dflash_config, load_kimi_config
 from ddtree_jax.errors import UserError, cli_main, parse_flags
+from ddtree_jax.mesh_spec import parse_mesh_spec
 from ddtree_jax.prompts import OutputWriter, Prompt, check_lengths, read_prompts
 from ddtree_jax.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
@@ -38,7 +42,12 @@ flags.DEFINE_bool("ignore_eos", False, "Generate max_new_tokens even past a stop
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_bool("resume", False, "Keep the existing --output and skip the ids already in it.")
 flags.DEFINE_bool("chat", False, "Wrap text prompts in the checkpoint's chat format.")
-flags.DEFINE_string("mesh", None, "Device mesh spec, passed to the engine as is.")
+flags.DEFINE_string(
+    "mesh",
+    None,
+    'Device mesh, e.g. "expert=8,tensor=1" or "data=2,expert=4" (axes data, expert, tensor; sizes multiply to '
+    "the device count). Default: all local devices on expert.",
+)
 flags.mark_flags_as_required(["target", "prompts", "output"])
 
 # A tree accepts at most block_size tokens per round whatever its size, while verify cost grows with it.
@@ -52,6 +61,8 @@ def validate_flags() -> None:
             raise UserError(f"--{name} must be >= {low}, got {FLAGS[name].value}")
     if not 0 <= FLAGS.temperature < math.inf:
         raise UserError(f"--temperature must be finite and >= 0 (0 = greedy), got {FLAGS.temperature}")
+    if FLAGS.mesh is not None:
+        parse_mesh_spec(FLAGS.mesh)
     if FLAGS.method != "ar" and not FLAGS.drafter:
         raise UserError(f"--method={FLAGS.method} needs --drafter")
     out = Path(FLAGS.output)
@@ -145,10 +156,24 @@ def main(argv: Sequence[str]) -> None:
         logging.info("All %d prompts are already in %s; nothing to do.", len(prompts), FLAGS.output)
         return
 
+    import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.api import Generator
+    from ddtree_jax.api import PROMPT_BUCKET, Generator
 
+    longest = PROMPT_BUCKET * math.ceil(max(len(p.token_ids) for p in todo) / PROMPT_BUCKET)
+    memory.check_fits(
+        target_cfg,
+        drafter_cfg,
+        context_limit=context_limit,
+        batch=min(FLAGS.batch_size, len(todo)),
+        max_len=longest + FLAGS.max_new_tokens,
+        prompt_len=longest,
+        method=FLAGS.method,
+        budget=FLAGS.budget,
+        layout=memory.Layout.from_spec(FLAGS.mesh, jax.device_count()),
+        dtype_bytes=jnp.dtype(FLAGS.dtype).itemsize,
+    )
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
     gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh)
     bar = ProgressBar(len(todo))

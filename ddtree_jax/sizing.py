@@ -7,7 +7,7 @@ config is quantized, bf16 otherwise; every other weight bf16; the router bias f3
 
 from __future__ import annotations
 
-from ddtree_jax.config import KimiConfig
+from ddtree_jax.config import DFlashConfig, KimiConfig
 
 BF16_BYTES, F32_BYTES = 2, 4
 
@@ -70,3 +70,28 @@ def model_sizes(c: KimiConfig) -> dict[str, int]:
         "decode_fixed_bytes": fixed_bytes,
         "expert_bytes": expert_bytes(c),
     }
+
+
+def tensor_split_params(c: KimiConfig) -> int:
+    """Params that `sharding.py` splits over `tensor`: MLA head projections (q_b, kv_b, o) of every layer, the
+    dense and shared-expert FFNs and the lm_head."""
+    heads, h, n_moe = c.num_attention_heads, c.hidden_size, len(c.moe_layers)
+    per_layer = heads * (
+        c.q_lora_rank * c.qk_head_dim
+        + c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim)
+        + c.v_head_dim * h
+    )
+    return (
+        per_layer * c.num_hidden_layers
+        + 3 * h * c.intermediate_size * (c.num_hidden_layers - n_moe)
+        + 3 * h * c.moe_intermediate_size * c.n_shared_experts * n_moe
+        + c.vocab_size * h
+    )
+
+
+def drafter_params(d: DFlashConfig) -> int:
+    """The DFlash drafter's own weights (fc, norms, layers); it uses the target's embedding and lm_head."""
+    h, hd = d.hidden_size, d.head_dim
+    q, kv = d.num_attention_heads * hd, d.num_key_value_heads * hd
+    layer = 2 * h + 2 * q * h + 2 * kv * h + 2 * hd + 3 * d.intermediate_size * h
+    return len(d.target_layer_ids) * h * h + 2 * h + layer * d.num_hidden_layers

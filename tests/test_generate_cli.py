@@ -270,7 +270,7 @@ class FakeGenerator:
 
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> type[FakeGenerator]:
-    monkeypatch.setitem(sys.modules, "ddtree_jax.api", SimpleNamespace(Generator=FakeGenerator))
+    monkeypatch.setitem(sys.modules, "ddtree_jax.api", SimpleNamespace(Generator=FakeGenerator, PROMPT_BUCKET=32))
     FakeGenerator.calls = []
     yield FakeGenerator
     flags.FLAGS.unparse_flags()
@@ -288,13 +288,13 @@ def test_batches_in_input_order_with_resume(
         *({"id": f"p{i}", "prompt_ids": [10 * i + 1]} for i in range(5)), {"id": "t", "prompt": "A"}
     )
     cli.output.write_text(json.dumps({"id": "p1", "token_ids": [7]}) + "\n")
-    extra = ["--resume", "--batch_size=2", "--method=dflash", "--dtype=float32", "--mesh=1,1,8", "--seed=3"]
+    extra = ["--resume", "--batch_size=2", "--method=dflash", "--dtype=float32", "--mesh=expert=1", "--seed=3"]
     run_in_process(cli, *extra, "--temperature=0.7", "--max_new_tokens=5", "--ignore_eos")
 
     import jax.numpy as jnp
 
     load, *gens = fake_engine.calls
-    assert load["load"] == (str(cli.target), str(cli.drafter), jnp.float32, "1,1,8")
+    assert load["load"] == (str(cli.target), str(cli.drafter), jnp.float32, "expert=1")
     assert [g["prompts"] for g in gens] == [[[1], [21]], [[31], [41]], [[65]]]  # p1 skipped; "A" is byte 65
     assert gens[0] | {"prompts": None} == {
         "prompts": None,

@@ -87,3 +87,28 @@ def test_cli_malformed_config(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and str(bad) in lines[0], out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_cli_prints_the_memory_plan():
+    from ddtree_jax import memory
+    from ddtree_jax.config import load_dflash_config
+
+    target, drafter = CONFIGS / "kimi-k2.6", CONFIGS / "kimi-k2.5-dflash"
+    args = ["--batch_size=4", "--max_len=8192", "--prompt_len=1024", "--mesh=expert=8", "--device_gb=141"]
+    out = _cli(f"--target={target}", f"--drafter={drafter}", *args)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    plan = got.pop("plan")
+    assert got == spec_numbers()  # the size fields are unchanged
+    t, d = load_kimi_config(target), load_dflash_config(drafter)
+    kw = {"method": "ddtree", "budget": 16, "layout": memory.Layout(expert=8)}
+    want = memory.plan(t, d, batch=4, max_len=8192, prompt_len=1024, **kw)
+    assert plan["total_bytes"] == want.total and plan["weights"] == want.weights
+    assert plan["layout"] == {"data": 1, "expert": 8, "tensor": 1} and plan["fits"] is True
+    assert plan["largest_batch"] == memory.largest_batch(t, d, 141e9, max_len=8192, prompt_len=1024, **kw) > 4
+    assert 0 < plan["longest_context"] < 8192  # a prompt filling the context needs a quadratic prefill
+
+
+def test_cli_plan_needs_both_sizes():
+    out = _cli(f"--target={CONFIGS / 'kimi-k2.6'}", "--batch_size=4")
+    assert out.returncode == 2 and "error: --batch_size and --max_len go together" in out.stderr

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ddtree_jax import sharding
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models.kimi import DenseMLP, _normal, _ones
 from ddtree_jax.models.layers import rms_norm, rope_half, yarn_inv_freq
@@ -58,7 +59,8 @@ class DFlashDrafter(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> DrafterCache:
         c = self.config
         shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
-        return DrafterCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+        zeros = sharding.constrain(jnp.zeros(shape, self.dtype), sharding.DRAFTER_CACHE_AXES)
+        return DrafterCache(zeros, zeros)
 
     def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ddtree_jax import sharding
 from ddtree_jax.config import KimiConfig
 from ddtree_jax.models.layers import causal_mask, rms_norm, rope_interleaved, swiglu, yarn_inv_freq
-from pallas_kernels import dispatch
 
 LatentCache = list[jax.Array]  # one `[B, L, latent_dim]` array per layer: [normed c_kv (512) | roped k_pe (64)]
 
@@ -96,7 +96,7 @@ class MLA(nnx.Module):
         else:
             ql = jnp.einsum("bnhp,hpc->bnhc", q_nope, self.w_uk[...])
             q_abs = jnp.concatenate([ql, q_pe], axis=-1)
-            o_lat = dispatch.mla_attention(q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank)
+            o_lat = sharding.mla_attention(q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank)
             o = jnp.einsum("bnhc,hvc->bnhv", o_lat, self.w_uv[...], preferred_element_type=jnp.float32)
         o = o.astype(x.dtype).reshape(*x.shape[:2], -1)
         return jnp.dot(o, self.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype), cache
@@ -127,8 +127,9 @@ class DenseMLP(nnx.Module):
 
 
 class Int4Experts(nnx.Module):
-    """Routed experts as INT4 with one bf16 scale per `group` inputs, in the kernel's layout:
-    gate_up_q `[E, 2I, H]`, gate_up_s `[E, 2I, H/G]`, down_q `[E, H, I]`, down_s `[E, H, I/G]`."""
+    """Routed experts as INT4 with one bf16 scale per `group` inputs, in the MoE kernel's layout: weights
+    checkpoint-native `[E, N, K]` (gate_up_q `[E, 2I, H]`, down_q `[E, H, I]`), scales group-major `[E, K/G, N]`
+    (gate_up_s `[E, H/G, 2I]`, down_s `[E, I/G, H]`) so one group's scales for a block of rows are contiguous."""
 
     def __init__(self, n: int, hidden: int, inner: int, group: int, *, rngs: nnx.Rngs):
         def q(shape):
@@ -138,12 +139,12 @@ class Int4Experts(nnx.Module):
             return nnx.Param(jnp.full(shape, 0.02 / 4.3 if fan_in else 0.0, jnp.bfloat16))
 
         self.gate_up_q = q((n, 2 * inner, hidden))
-        self.gate_up_s = s((n, 2 * inner, hidden // group), hidden)
+        self.gate_up_s = s((n, hidden // group, 2 * inner), hidden)
         self.down_q = q((n, hidden, inner))
-        self.down_s = s((n, hidden, inner // group), inner)
+        self.down_s = s((n, inner // group, hidden), inner)
 
     def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array) -> jax.Array:
-        return dispatch.moe_swiglu(
+        return sharding.moe_swiglu(  # expert-parallel under an active mesh, else dispatch.moe_swiglu
             x,
             topk_ids,
             topk_weights,
@@ -276,9 +277,10 @@ class KimiForCausalLM(nnx.Module):
         return self.embed_tokens[...].dtype
 
     def init_cache(self, batch: int, max_len: int) -> LatentCache:
-        """Empty latent cache: one `[batch, max_len, 576]` array per layer."""
+        """Empty latent cache: one `[batch, max_len, 576]` array per layer (batch split on `data` under a mesh)."""
+        shape = (batch, max_len, self.config.latent_dim)
         return [
-            jnp.zeros((batch, max_len, self.config.latent_dim), self.dtype)
+            sharding.constrain(jnp.zeros(shape, self.dtype), sharding.LATENT_CACHE_AXES)
             for _ in range(self.config.num_hidden_layers)
         ]
 

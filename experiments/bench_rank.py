@@ -1,0 +1,393 @@
+"""One rank's share of an 8-GPU Kimi K2.6 deployment, timed on one GPU, plus a communication model that projects
+8xH200 tokens/s.
+
+python -m experiments.bench_rank [--tensor=8] [--budgets=8,16,32] [--tiny]
+
+The rank (layout of ddtree_jax/sharding.py on `expert=R/t,tensor=t`, R = --ranks = 8): 61 layers at full K2.6
+dims with E/R = 48 routed INT4 experts per MoE layer (random weights), MLA with heads/t, dense and shared-expert
+FFN inner dims /t, lm_head vocab/t, and the K2.5 DFlash drafter (6 layers) with heads, KV heads and FFN /t.
+Routing on the rank: top-`--local_topk` of its 48 experts per token. Uniform routing of k=8 of 384 experts puts
+8 x 48/384 = 1 expert per token on a rank on average; the slowest rank sets the pace of every psum, and with 8
+ranks the busiest one gets about 2 at T=1, so the default is 2 (it overestimates slightly at larger T).
+
+Timed with the engine pieces on the rank model: `engine.ar_round` (one AR step) and `engine.spec_round`
+(draft -> vocab-sharded-style top-K tree -> verify -> walk -> compact) for each budget, plus `engine.draft`
+alone; state donated, --steps back-to-back rounds after --warmup, per-round mean.
+
+Communication model (written out in the results): per target forward of T tokens, with t = --tensor,
+  * t > 1: one all-reduce of `[T, H]` bf16 after o_proj in every layer, one after the dense / shared FFN down
+    projection in every layer (GSPMD inserts both);
+  * one psum of `[T, H]` bf16 over all R ranks after the routed experts in every MoE layer (sharding.moe_swiglu);
+  * drafter (t > 1): two all-reduces of `[B, H]` per drafter layer (B = block size), two all-gathers of the
+    `[D, t*K]` top-K candidates and log-Z for the tree, one for the greedy argmax over vocab-parallel logits.
+An all-reduce of S bytes over p GPUs costs alpha + 2 (p-1)/p S / BW (ring), an all-gather alpha + (p-1)/p S / BW;
+alpha (--alpha_us) and BW (--link_gbps, per direction per GPU; NVLink4 on H200: 450 GB/s) are stated assumptions.
+Projected tokens/s = tau / (rank time + communication), tau = tokens committed per round (1 for AR; --taus for
+DDTree, assumptions to be replaced by measured acceptance of the trained drafter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+from flax import nnx
+
+from ddtree_jax import engine
+from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, load_dflash_config, load_kimi_config
+from ddtree_jax.models.dflash import DFlashDrafter
+from ddtree_jax.models.kimi import DenseMLP, KimiForCausalLM, MoE
+from experiments import common
+
+CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "spec" / "configs"
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target_config", str(CONFIGS / "kimi-k2.6"), "Target config directory (full model).")
+flags.DEFINE_string("drafter_config", str(CONFIGS / "kimi-k2.5-dflash"), "Drafter config directory.")
+flags.DEFINE_integer("ranks", 8, "GPUs of the deployment (R).")
+flags.DEFINE_integer("tensor", 8, "Tensor-parallel size t of attention / dense / shared / lm_head / drafter.")
+flags.DEFINE_integer("local_topk", 2, "Routed experts per token on the measured (busiest) rank.")
+flags.DEFINE_list("budgets", ["8", "16", "32"], "DDTree budgets.")
+flags.DEFINE_integer("prompt_len", 512, "Context length before the timed rounds.")
+flags.DEFINE_integer("warmup", 3, "Untimed rounds.")
+flags.DEFINE_integer("steps", 20, "Timed rounds.")
+flags.DEFINE_float("mem_gb", 135.0, "Device memory budget; layers are reduced (and said so) if the rank exceeds it.")
+flags.DEFINE_float("alpha_us", 8.0, "Latency of one small collective on NVLink (assumption).")
+flags.DEFINE_float("link_gbps", 450.0, "NVLink bandwidth per direction per GPU, GB/s (assumption: H200 NVLink4).")
+flags.DEFINE_list("taus", ["8:5.8", "16:6.3", "32:6.7"], "budget:tau assumed tokens per DDTree round.")
+flags.DEFINE_bool("tiny", False, "Tiny dims on CPU: a smoke test of this script.")
+flags.DEFINE_string("out_dir", "", "Results directory (default experiments/results).")
+
+PUBLISHED = [
+    {"system": "vLLM, 8xH100, AR single stream", "tok_s": 112.0},
+    {"system": "SGLang, 8xB300, AR", "tok_s": 133.0},
+    {"system": "SGLang, 8xB300, DDTree budget 8", "tok_s": 303.0},
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """The full configs and the rank's share of them."""
+
+    full: KimiConfig
+    drafter_full: DFlashConfig
+    target: KimiConfig
+    drafter: DFlashConfig
+    shared_inner: int  # shared-expert FFN inner dim on the rank
+
+
+def tiny_configs() -> tuple[KimiConfig, DFlashConfig]:
+    """K2.6-shaped but tiny: 3 layers, 16 experts, vocab 256 (every split dim divides by 8)."""
+    full, drafter = load_kimi_config(FLAGS.target_config), load_dflash_config(FLAGS.drafter_config)
+    full = dataclasses.replace(
+        full,
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=16,
+        quant=QuantConfig(group_size=32),
+    )
+    drafter = dataclasses.replace(
+        drafter,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=16,
+        vocab_size=256,
+        num_target_layers=3,
+        target_layer_ids=(0, 2),
+        mask_token_id=255,
+    )
+    return full, drafter
+
+
+def rank_share(full: KimiConfig, drafter: DFlashConfig, ranks: int, tensor: int, local_topk: int) -> Rank:
+    t = tensor
+    target = dataclasses.replace(
+        full,
+        n_routed_experts=full.n_routed_experts // ranks,
+        num_experts_per_tok=local_topk,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=full.num_attention_heads // t,
+        intermediate_size=full.intermediate_size // t,
+        vocab_size=full.vocab_size // t,
+    )
+    rank_drafter = dataclasses.replace(
+        drafter,
+        num_attention_heads=drafter.num_attention_heads // t,
+        num_key_value_heads=max(drafter.num_key_value_heads // t, 1),
+        intermediate_size=drafter.intermediate_size // t,
+        vocab_size=target.vocab_size,
+        mask_token_id=target.vocab_size - 1,
+    )
+    return Rank(full, drafter, target, rank_drafter, full.moe_intermediate_size * full.n_shared_experts // t)
+
+
+def build_models(rank: Rank, layers: int) -> tuple[KimiForCausalLM, DFlashDrafter]:
+    """Abstract rank models (no memory), `layers` target layers, shared experts cut to the rank's share."""
+    c = dataclasses.replace(rank.target, num_hidden_layers=layers)
+    ids = tuple(min(i, layers - 1) for i in rank.drafter.target_layer_ids)
+    d = dataclasses.replace(rank.drafter, num_target_layers=layers, target_layer_ids=ids)
+
+    def make():
+        target = KimiForCausalLM(c, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+        for layer in target.layers:
+            if isinstance(layer.mlp, MoE) and layer.mlp.shared_experts is not None:
+                layer.mlp.shared_experts = DenseMLP(c.hidden_size, rank.shared_inner, rngs=nnx.Rngs(0))
+        return target, DFlashDrafter(d, rngs=nnx.Rngs(1), dtype=jnp.bfloat16)
+
+    return nnx.eval_shape(make)
+
+
+def leaf_bytes(model: nnx.Module) -> int:
+    total = 0
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        x = var.get_value()
+        total += x.size * jnp.dtype(x.dtype).itemsize if x.dtype != jnp.int4 else x.size // 2
+    return total
+
+
+def memory_estimate(rank: Rank, layers: int, cache_len: int) -> dict[str, float]:
+    """GB on the rank: params (int4 packed 2 per byte), the replicated full embedding (the bench model holds
+    only vocab/t rows of it), latent + drafter caches, and 4 GB of workspace."""
+    target, drafter = build_models(rank, layers)
+    c, d = rank.target, rank.drafter
+    embed_extra = (rank.full.vocab_size - c.vocab_size) * c.hidden_size * 2
+    caches = layers * cache_len * c.latent_dim * 2 + 2 * d.num_hidden_layers * cache_len * d.num_key_value_heads * (
+        d.head_dim * 2
+    )
+    parts = {
+        "target_params": leaf_bytes(target),
+        "drafter_params": leaf_bytes(drafter),
+        "embed_replicated_extra": embed_extra,
+        "caches": caches,
+        "workspace": 4 << 30,
+    }
+    return {k: v / 1e9 for k, v in parts.items()} | {"total": sum(parts.values()) / 1e9}
+
+
+def fit_layers(rank: Rank, cache_len: int) -> tuple[int, dict[str, float]]:
+    """All layers if they fit --mem_gb, else the most that fit (logged and recorded)."""
+    layers = rank.full.num_hidden_layers
+    est = memory_estimate(rank, layers, cache_len)
+    while est["total"] > FLAGS.mem_gb and layers > 2:
+        layers -= 1
+        est = memory_estimate(rank, layers, cache_len)
+    if layers < rank.full.num_hidden_layers:
+        logging.warning(
+            "rank needs more than %.0f GB: measuring %d of %d layers", FLAGS.mem_gb, layers, rank.full.num_hidden_layers
+        )
+    return layers, est
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "kind"))
+def _fill(key, shape, dtype, kind):
+    if kind == "int4":
+        return jax.random.randint(key, shape, -8, 8, jnp.int8).astype(jnp.int4)
+    if kind == "scale":
+        return jnp.full(shape, 0.02 / 4.3, dtype)
+    if kind == "ones":
+        return jnp.ones(shape, dtype)
+    if kind == "zeros":
+        return jnp.zeros(shape, dtype)
+    std = 1.0 if kind == "embed" else 0.02
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _kind(name: str, dtype) -> str:
+    if dtype == jnp.int4:
+        return "int4"
+    if name.endswith("_s"):
+        return "scale"
+    if "norm" in name:
+        return "ones"
+    if name == "e_score_correction_bias":
+        return "zeros"
+    return "embed" if name == "embed_tokens" else "normal"
+
+
+def materialize(model: nnx.Module, seed: int) -> nnx.Module:
+    """Random weights for an abstract model, one leaf at a time on the device."""
+    graphdef, state = nnx.split(model)
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+        like = var.get_value()
+        var.set_value(
+            _fill(jax.random.fold_in(key, i), tuple(like.shape), like.dtype, _kind(str(path[-1]), like.dtype))
+        )
+    return nnx.merge(graphdef, state)
+
+
+def time_rounds(step, state, warmup: int, steps: int):
+    """Mean seconds per call of `state = step(state)` (donated), back to back; returns (seconds, state).
+    At least two warm-up calls: prefill's state has a weak-typed leaf, so the second call compiles again."""
+    for _ in range(max(warmup, 2)):
+        state = step(state)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state = step(state)
+    jax.block_until_ready(state)
+    return (time.perf_counter() - t0) / steps, state
+
+
+def measure(target: KimiForCausalLM, drafter: DFlashDrafter, budgets: list[int]) -> list[dict]:
+    tg, ts = nnx.split(target)
+    dg, ds = nnx.split(drafter)
+    rounds = FLAGS.warmup + FLAGS.steps
+    d = drafter.config.num_draft
+    records = []
+    for method, budget in [("ar", 1)] + [("ddtree", b) for b in budgets]:
+        spec = engine.GenSpec(method, 1, FLAGS.prompt_len, rounds * (d + 1) + 2, budget=budget)
+
+        def start(ts, ds, prompts, spec=spec):
+            t, dr = nnx.merge(tg, ts), nnx.merge(dg, ds)
+            plen = jnp.full((1,), FLAGS.prompt_len, jnp.int32)
+            return engine.prefill(t, dr if spec.method != "ar" else None, spec, prompts, plen, jax.random.key(0))
+
+        def round_(ts, ds, s, spec=spec):
+            t, dr = nnx.merge(tg, ts), nnx.merge(dg, ds)
+            return engine.ar_round(t, spec, s) if spec.method == "ar" else engine.spec_round(t, dr, spec, s)
+
+        prompts = jax.random.randint(jax.random.key(1), (1, FLAGS.prompt_len), 0, target.config.vocab_size - 1)
+        state = jax.jit(start)(ts, ds, prompts)
+        step = jax.jit(round_, donate_argnums=2)
+        sec, state = time_rounds(lambda s, step=step: step(ts, ds, s), state, FLAGS.warmup, FLAGS.steps)
+        rec = {"method": method, "budget": budget if method == "ddtree" else 0, "T": engine.tree_size(spec, d)}
+        rec["rank_ms"] = 1e3 * sec
+        if method == "ddtree":
+
+            def draft_only(ts, ds, s, spec=spec):
+                t, dr = nnx.merge(tg, ts), nnx.merge(dg, ds)
+                logits, _ = engine.draft(t, dr, s)
+                return engine.build_trees(spec, logits, s.root).tokens
+
+            fn = jax.jit(draft_only)
+            timed = functools.partial(fn, ts, ds, state)
+            rec["draft_tree_ms"] = 1e3 * common.time_fn(timed, warmup=1, repeats=FLAGS.steps)
+        records.append(rec)
+        logging.info("%s", rec)
+    return records
+
+
+def collective_s(kind: str, nbytes: float, p: int) -> float:
+    """Ring all-reduce / all-gather over p GPUs: alpha + (2 or 1) (p-1)/p bytes / BW."""
+    if p == 1:
+        return 0.0
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return FLAGS.alpha_us * 1e-6 + factor * (p - 1) / p * nbytes / (FLAGS.link_gbps * 1e9)
+
+
+def comm_model(rank: Rank, tokens: int, speculative: bool) -> dict[str, float]:
+    """Collectives of one round (target forward of `tokens` tokens, + drafter and tree when speculative)."""
+    c, d, t, r = rank.full, rank.drafter_full, FLAGS.tensor, FLAGS.ranks
+    act = tokens * c.hidden_size * 2  # [T, H] bf16
+    n_moe = len(c.moe_layers)
+    items = {
+        "attn_all_reduce": (c.num_hidden_layers if t > 1 else 0, "all_reduce", act, t),
+        "ffn_all_reduce": (c.num_hidden_layers if t > 1 else 0, "all_reduce", act, t),
+        "expert_psum": (n_moe, "all_reduce", act, r),
+        "argmax_all_gather": (1 if t > 1 else 0, "all_gather", tokens * 8 * t, t),
+    }
+    if speculative:
+        block = d.block_size * d.hidden_size * 2
+        items["drafter_all_reduce"] = (2 * d.num_hidden_layers if t > 1 else 0, "all_reduce", block, t)
+        k = tokens - 1  # top-K per depth, K = budget: [D, t*K] (f32 log-prob + int32 id)
+        items["topk_all_gathers"] = (2 if t > 1 else 0, "all_gather", d.num_draft * k * 8 * t, t)
+    out = {f"{k}_count": float(n) for k, (n, _, _, _) in items.items()}
+    out |= {f"{k}_bytes": float(b) for k, (_, _, b, _) in items.items()}
+    out["comm_ms"] = 1e3 * sum(n * collective_s(kind, b, p) for n, kind, b, p in items.values())
+    out["collectives"] = float(sum(n for n, _, _, _ in items.values()))
+    return out
+
+
+def project(rank: Rank, records: list[dict], layers: int) -> list[dict]:
+    taus = {int(b): float(v) for b, v in (x.split(":") for x in FLAGS.taus)}
+    scale = rank.full.num_hidden_layers / layers  # > 1 only if layers were cut to fit
+    rows = []
+    for rec in records:
+        spec = rec["method"] == "ddtree"
+        comm = comm_model(rank, rec["T"], spec)
+        tau = taus.get(rec["budget"], float("nan")) if spec else 1.0
+        round_ms = rec["rank_ms"] * scale + comm["comm_ms"]
+        rows.append(
+            {
+                "method": rec["method"],
+                "budget": rec["budget"],
+                "T": rec["T"],
+                "rank_ms": rec["rank_ms"] * scale,
+                "comm_ms": comm["comm_ms"],
+                "collectives": comm["collectives"],
+                "round_ms": round_ms,
+                "tau": tau,
+                "tok_s_8gpu": 1e3 * tau / round_ms,
+            }
+            | comm
+        )
+    return rows
+
+
+def main(argv):
+    del argv
+    budgets = [int(b) for b in FLAGS.budgets]
+    full, drafter = (
+        tiny_configs()
+        if FLAGS.tiny
+        else (
+            load_kimi_config(FLAGS.target_config),
+            load_dflash_config(FLAGS.drafter_config),
+        )
+    )
+    rank = rank_share(full, drafter, FLAGS.ranks, FLAGS.tensor, FLAGS.local_topk)
+    cache_len = FLAGS.prompt_len + (FLAGS.warmup + FLAGS.steps + 1) * drafter.block_size + max(budgets) + 4
+    layers, mem = fit_layers(rank, cache_len)
+    logging.info("rank memory estimate (GB): %s; layers %d", mem, layers)
+    target, rank_drafter = build_models(rank, layers)
+    target, rank_drafter = materialize(target, 0), materialize(rank_drafter, 1)
+    records = measure(target, rank_drafter, budgets)
+    rows = project(rank, records, layers)
+    for row, rec in zip(rows, records, strict=True):
+        row["draft_tree_ms"] = rec.get("draft_tree_ms", float("nan"))
+    layout = {
+        "ranks": FLAGS.ranks,
+        "tensor": FLAGS.tensor,
+        "mesh": f"expert={FLAGS.ranks // FLAGS.tensor},tensor={FLAGS.tensor}",
+        "layers_measured": layers,
+        "layers_full": full.num_hidden_layers,
+        "experts_per_rank": rank.target.n_routed_experts,
+        "heads_per_rank": rank.target.num_attention_heads,
+        "local_topk": FLAGS.local_topk,
+        "tiny": FLAGS.tiny,
+    }
+    assumptions = {"alpha_us": FLAGS.alpha_us, "link_gbps": FLAGS.link_gbps, "taus": FLAGS.taus}
+    name = "bench_rank_tiny" if FLAGS.tiny else f"bench_rank_t{FLAGS.tensor}"
+    columns = ["method", "budget", "T", "rank_ms", "draft_tree_ms", "collectives", "comm_ms", "round_ms", "tau"]
+    columns += ["tok_s_8gpu"]
+    extra = {"layout": layout, "memory_gb": mem, "assumptions": assumptions, "published": PUBLISHED}
+    path = common.write_results(name, rows, columns, out_dir=FLAGS.out_dir or None, extra=extra)
+    md = path.with_suffix(".md")
+    md.write_text(
+        md.read_text()
+        + f"\nlayout: {layout}\n\nmemory estimate (GB): { {k: round(v, 2) for k, v in mem.items()} }\n\n"
+        + f"assumptions: {assumptions}\n\npublished:\n\n{common.markdown_table(PUBLISHED, ['system', 'tok_s'])}\n"
+    )
+    print(md.read_text())
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,74 @@
+"""PNG plots of the training curves and the acceptance histogram in experiments/results/.
+
+    python -m experiments.plot_results
+
+train_target_loss.json -> train_target_loss.png, train_dflash_loss.json -> train_dflash_loss.png,
+train_dflash_selfdistill_loss.json -> train_dflash_selfdistill_loss.png,
+acceptance.json -> acceptance_hist.png (rounds committing k tokens, per method, as fractions of rounds).
+The JSON files are written by train_target.py, train_dflash.py, selfdistill_dflash.py and eval_acceptance.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+from absl import app, flags
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("results_dir", "experiments/results", "Where the JSON files are and the PNGs go.")
+
+
+def plot_curve(src: Path, title: str, extra: str) -> None:
+    d = json.loads(src.read_text())
+    steps = [p["step"] for p in d["curve"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [p["loss"] for p in d["curve"]], label="training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [p[extra] for p in d["curve"]], color="tab:orange", alpha=0.6, label=extra)
+    ax2.set_ylabel(extra)
+    ax.set_title(title)
+    fig.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(src.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+
+
+def plot_acceptance(src: Path) -> None:
+    hists = {k: v for k, v in json.loads(src.read_text())["accept_hist"].items() if v}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(hists)
+    for i, (name, h) in enumerate(hists.items()):
+        total = sum(h)
+        ax.bar([k + 1 + (i - len(hists) / 2) * width for k in range(len(h))], [c / total for c in h], width, label=name)
+    ax.set_xlabel("tokens committed in a round")
+    ax.set_ylabel("fraction of rounds")
+    ax.set_title("Acceptance on held-out prompts (temperature 0)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(src.parent / "acceptance_hist.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    d = Path(FLAGS.results_dir)
+    plot_curve(d / "train_target_loss.json", "Kimi-mini target (MoE load: max/mean)", "load_max_over_mean")
+    plot_curve(d / "train_dflash_loss.json", "DFlash drafter (position-1 agreement with target)", "top1_agree_pos1")
+    plot_curve(
+        d / "train_dflash_selfdistill_loss.json",
+        "DFlash drafter, self-distillation on the target's greedy text (CPU)",
+        "top1_agree_pos1",
+    )
+    plot_acceptance(d / "acceptance.json")
+
+
+if __name__ == "__main__":
+    app.run(main)

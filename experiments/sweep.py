@@ -1,0 +1,185 @@
+"""The DDTree benchmark matrix on a model pair, one axis at a time: AR vs the DFlash chain vs DDTree.
+
+    python -m experiments.sweep --axis=budget        # DDTree budgets {4..64} (--budgets) at concurrency 1
+    python -m experiments.sweep --axis=concurrency   # batch {1..128}, DDTree at --axis_budgets
+    python -m experiments.sweep --axis=context       # prompt length {60..8192} (clamped to the model's limit)
+    python -m experiments.sweep --axis=budget,concurrency,context   # all three in one process
+
+Per cell (method, budget, concurrency B, context): the prompts are cut to the context length and run as
+ceil(num_prompts / B) batches of B rows (prompts cycled), each batch once to compile and warm up, then `repeats`
+times. wall_s is the sum over batches of the median wall time (compilation excluded). tokens_per_s is aggregate
+(generated tokens / wall_s); tokens_per_s_per_request the mean over rows of row tokens / batch wall time;
+tokens_per_round the acceptance length (committed tokens per round, bonus included); speedup is over AR measured
+in the same run at the same (B, context); `correct` says the greedy outputs equal AR's token for token.
+Results are rewritten after every cell to <out_dir>/sweep_<axis>.json and .md.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+from absl import app, flags
+
+from experiments import common, workload
+from experiments.progress import Progress
+
+FLAGS = flags.FLAGS
+AXES = ("budget", "concurrency", "context")
+flags.DEFINE_list("axis", ["budget"], f"axes of the matrix to sweep, any of {AXES} (one process shares compilations)")
+flags.DEFINE_string("target", str(workload.SHIPPED_TARGET), "target checkpoint directory")
+flags.DEFINE_string("drafter", str(workload.SHIPPED_DRAFTER), "DFlash drafter checkpoint directory")
+flags.DEFINE_string("prompts", str(workload.DEMO_PROMPTS), "held-out prompts (JSON Lines)")
+flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64"], "DDTree budgets on the budget axis")
+flags.DEFINE_list("axis_budgets", ["8", "16"], "DDTree budgets on the concurrency and context axes")
+flags.DEFINE_list("concurrency", ["1", "8", "32", "64", "128"], "batch sizes (concurrency axis)")
+flags.DEFINE_list("contexts", ["60", "1024", "4096", "8192"], "prompt lengths in tokens (context axis)")
+flags.DEFINE_integer("prompt_len", 60, "prompt length on the budget and concurrency axes")
+flags.DEFINE_integer("num_prompts", 5, "prompt rows per cell, cycling the file's prompts (at least one batch)")
+flags.DEFINE_integer("repeats", 3, "timed runs per batch (median)")
+flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per row")
+flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens even past a stop token")
+flags.DEFINE_list("methods", ["ar", "dflash", "ddtree"], "methods per cell (ar always runs: it is the reference)")
+flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
+flags.register_validator("axis", lambda v: bool(v) and set(v) <= set(AXES), f"--axis: values from {AXES}")
+
+COLUMNS = [
+    "method",
+    "budget",
+    "concurrency",
+    "context",
+    "tokens_per_round",
+    "tokens_per_s",
+    "tokens_per_s_per_request",
+    "speedup",
+    "correct",
+    "wall_s",
+    "compile_s",
+]
+
+
+def clamp_context(requested: int, max_pos: int, max_new: int, depth: int) -> int:
+    """The longest prompt (a multiple of the 32-token bucket) whose positions stay below max_pos."""
+    limit = (max_pos - max_new - depth - 2) // 32 * 32
+    return min(requested, limit)
+
+
+def measure(gen, batches: list[list[list[int]]], method: str, budget: int, repeats: int) -> dict:
+    """Run every batch (once untimed, then `repeats` times) -> stats of the cell and the generated rows."""
+    kw = {
+        "method": method,
+        "budget": budget,
+        "max_new_tokens": FLAGS.max_new_tokens,
+        "ignore_eos": FLAGS.ignore_eos,
+    }
+    wall, compile_s, rows, per_request, committed, rounds = 0.0, 0.0, [], [], 0, 0
+    hist = None
+    for batch in batches:
+        first = gen.generate(batch, **kw)
+        compile_s += first.compile_s
+        med = statistics.median(gen.generate(batch, **kw).wall_s for _ in range(repeats))
+        wall += med
+        rows += first.tokens
+        per_request += [len(t) / med for t in first.tokens]
+        for st in first.stats:
+            committed += st["tokens_per_round"] * st["rounds"]
+            rounds += st["rounds"]
+            h = np.asarray(st["accept_hist"])
+            hist = h if hist is None else hist + h
+    tokens = sum(len(t) for t in rows)
+    return {
+        "wall_s": wall,
+        "compile_s": compile_s,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_s_per_request": float(np.mean(per_request)),
+        "tokens_per_round": committed / rounds if rounds else 0.0,
+        "accept_hist": hist.tolist(),
+        "rows": rows,
+    }
+
+
+def cells(axis: str) -> list[tuple[int, int]]:
+    """(concurrency, requested context) groups of the axis; each runs ar, dflash and ddtree at every budget."""
+    if axis == "concurrency":
+        return [(int(b), FLAGS.prompt_len) for b in FLAGS.concurrency]
+    if axis == "context":
+        return [(1, int(c)) for c in FLAGS.contexts]
+    return [(1, FLAGS.prompt_len)]
+
+
+def sweep_axis(gen, axis: str, base: list[list[int]], config: dict, meta: dict) -> list[dict]:
+    """All cells of one axis -> records (also written to sweep_<axis>.json/.md after every cell)."""
+    depth = config["num_draft"]
+    budgets = [int(b) for b in (FLAGS.budgets if axis == "budget" else FLAGS.axis_budgets)]
+    methods = [("ar", 1)]
+    methods += [("dflash", depth)] if "dflash" in FLAGS.methods else []
+    methods += [("ddtree", b) for b in budgets] if "ddtree" in FLAGS.methods else []
+    groups = cells(axis)
+    max_pos = gen.target_config.max_position_embeddings
+    records, seen = [], set()
+    bar = Progress(len(groups) * len(methods), f"sweep {axis}")
+    for conc, requested in groups:
+        ctx = clamp_context(requested, max_pos, FLAGS.max_new_tokens, depth)
+        if (conc, ctx) in seen:
+            bar.i += len(methods)
+            continue
+        seen.add((conc, ctx))
+        n_rows = conc * math.ceil(max(FLAGS.num_prompts, 1) / conc)
+        rows = workload.at_length(base, ctx, n_rows)
+        batches = [rows[i : i + conc] for i in range(0, n_rows, conc)]
+        for method, budget in methods:
+            bar.step(f"{method} b={budget} B={conc} ctx={ctx}")
+            stats = measure(gen, batches, method, budget, FLAGS.repeats)
+            out_rows = stats.pop("rows")
+            if method == "ar":
+                ar_stats, ar_rows = stats, out_rows
+            same = [a == b for a, b in zip(ar_rows, out_rows, strict=True)]
+            rec = {
+                "axis": axis,
+                "method": method,
+                "budget": budget,
+                "concurrency": conc,
+                "context": ctx,
+                "context_requested": requested,
+                "context_clamped": ctx < requested,
+                **stats,
+                "speedup": stats["tokens_per_s"] / ar_stats["tokens_per_s"],
+                "correct": all(same),
+                "rows_identical": sum(same) / len(same),
+                **config,
+                **meta,
+            }
+            records.append(rec)
+            common.write_results(f"sweep_{axis}", records, COLUMNS, FLAGS.out_dir or None, {"config": config})
+    bar.done()
+    if any(r["context_clamped"] for r in records):
+        print(f"note: contexts clamped to max_position_embeddings {max_pos} minus generation room")
+    return records
+
+
+def main(_) -> None:
+    from ddtree_jax.api import Generator
+
+    gen = Generator.load(FLAGS.target, FLAGS.drafter)
+    base, source = workload.load_prompts(gen, FLAGS.prompts, max(FLAGS.num_prompts, 1))
+    config = {
+        "target": FLAGS.target,
+        "drafter": FLAGS.drafter,
+        "prompt_source": source,
+        "max_new_tokens": FLAGS.max_new_tokens,
+        "repeats": FLAGS.repeats,
+        "num_prompts": FLAGS.num_prompts,
+        "ignore_eos": FLAGS.ignore_eos,
+        "temperature": 0.0,
+        "num_draft": gen.drafter.config.num_draft,
+        "max_position_embeddings": gen.target_config.max_position_embeddings,
+    }
+    meta = common.metadata()
+    for axis in FLAGS.axis:
+        print(common.markdown_table(sweep_axis(gen, axis, base, config, meta), COLUMNS))
+
+
+if __name__ == "__main__":
+    app.run(main)

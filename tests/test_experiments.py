@@ -1,0 +1,133 @@
+"""Smoke tests of the experiment scripts on CPU with tiny settings: each runs end to end and writes its records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+from experiments import workload
+
+REPO = Path(__file__).resolve().parents[1]
+META = ("device", "jax_version", "commit", "date")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    return workload.write_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+def run(module: str, *args: str) -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", f"experiments.{module}", *args], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def records(path: Path) -> list[dict]:
+    payload = json.loads(path.read_text())
+    assert all(payload["meta"][k] for k in META)
+    assert payload["records"]
+    return payload["records"]
+
+
+def test_sweep_all_axes_then_report(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    run(
+        "sweep",
+        "--axis=budget,concurrency,context",
+        f"--target={target}",
+        f"--drafter={drafter}",
+        "--budgets=4",
+        "--axis_budgets=4",
+        "--concurrency=1",  # B=1 and context 60 reuse the budget axis' compiled programs
+        "--contexts=60,3000",
+        "--num_prompts=2",
+        "--repeats=1",
+        "--max_new_tokens=8",
+        f"--out_dir={tmp_path}",
+    )
+    for axis in ("budget", "concurrency", "context"):
+        recs = records(tmp_path / f"sweep_{axis}.json")
+        assert [r["method"] for r in recs[:3]] == ["ar", "dflash", "ddtree"]
+        for r in recs:
+            assert all(r[k] for k in META)
+            assert r["wall_s"] > 0 and r["tokens_per_s"] > 0 and r["tokens_per_s_per_request"] > 0
+            assert r["tokens_per_round"] >= 1 and r["speedup"] > 0
+            assert r["correct"] is True, r  # greedy speculative decoding must reproduce AR exactly
+        assert (tmp_path / f"sweep_{axis}.md").is_file()
+    ctx = records(tmp_path / "sweep_context.json")
+    assert {r["context"] for r in ctx} == {60, 2016} and any(r["context_clamped"] for r in ctx)
+    assert {r["concurrency"] for r in records(tmp_path / "sweep_concurrency.json")} == {1}
+
+    run("report", f"--results_dir={tmp_path}")
+    report = (tmp_path / "REPORT.md").read_text()
+    for heading in ("Budget sweep", "Concurrency sweep", "Context sweep", "Where DDTree loses", "Published numbers"):
+        assert f"## {heading}" in report
+    for plot in ("acceptance_vs_budget", "tokens_per_s_vs_budget", "speedup_vs_concurrency", "acceptance_histogram"):
+        assert f"plots/{plot}.png" in report and (tmp_path / "plots" / f"{plot}.png").stat().st_size > 0
+    assert "bench_round" in report.split("Not present")[-1]  # missing inputs are listed
+
+
+def test_breakdown(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    run(
+        "breakdown",
+        f"--target={target}",
+        f"--drafter={drafter}",
+        "--methods=ddtree",
+        "--budgets=4",
+        "--repeats=1",
+        f"--out_dir={tmp_path}",
+    )
+    (rec,) = records(tmp_path / "breakdown.json")
+    assert all(rec[k] for k in META)
+    pieces = [rec[f"{p}_ms"] for p in ("draft", "tree", "verify", "accept")]
+    assert all(t > 0 for t in pieces) and rec["sum_of_pieces_ms"] == pytest.approx(sum(pieces))
+    assert rec["round_ms"] > 0
+
+
+def test_bench_round_tiny(tmp_path):
+    sweep = tmp_path / "sweep_budget.json"
+    sweep.write_text(
+        json.dumps({"records": [{"method": "ddtree", "budget": 8, "concurrency": 1, "tokens_per_round": 3.0}]})
+    )
+    run(
+        "bench_round",
+        "--tiny",
+        "--nopieces",  # breakdown.py covers the pieces
+        "--budgets=8",
+        "--concurrency=2",
+        "--contexts=64",
+        "--repeats=1",
+        f"--sweep_json={sweep}",
+        f"--out_dir={tmp_path}",
+    )
+    payload = json.loads((tmp_path / "bench_round.json").read_text())
+    assert payload["model"]["layers"] == 3 and payload["model"]["tiny"] is True
+    recs = records(tmp_path / "bench_round.json")
+    ar, dd = (next(r for r in recs if r["kind"] == "measured" and r["method"] == m) for m in ("ar", "ddtree"))
+    assert "error" not in dd and dd["finite_logits"] is True
+    for r in (ar, dd):
+        assert all(r[k] for k in META) and r["ms"] > 0 and r["projected_ms_61"] > r["ms"]
+    proj = {r["acceptance_source"]: r for r in recs if r["kind"] == "projection"}
+    assert set(proj) == {"ours (sweep, b8)", "published DDTree b8 (SGLang, K2.5)"}
+    ours = proj["ours (sweep, b8)"]
+    assert ours["proj_speedup"] == pytest.approx(3.0 * ar["projected_ms_61"] / dd["projected_ms_61"])
+
+
+def test_notebook_executes():
+    nb = nbformat.read(REPO / "experiments" / "notebooks" / "explore.ipynb", as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO / "experiments")}}
+    )
+    client.execute()
+    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) == 2  # the drawn tree and the per-depth acceptance
