@@ -289,15 +289,16 @@ def test_chunked_prefill_equals_single_pass():
     prompts, plen = random_prompts(rng, 3, 11, 97)
     whole = engine.GenSpec("ddtree", 3, 11, 10, budget=6)
     chunked = engine.GenSpec("ddtree", 3, 11, 10, budget=6, prefill_chunk=4)
-    states = []
-    for spec in (whole, chunked):
-        tg, ts = nnx.split(target)
-        dg, ds = nnx.split(drafter)
-        s = jax.jit(
-            lambda ts, ds, p, n, spec=spec: engine.prefill(nnx.merge(tg, ts), nnx.merge(dg, ds), spec, p, n,
-                                                           jax.random.key(0))
-        )(ts, ds, jnp.asarray(prompts), jnp.asarray(plen))
-        states.append(s)
+    tg, ts = nnx.split(target)
+    dg, ds = nnx.split(drafter)
+
+    def prefill(ts, ds, p, n, spec):
+        return engine.prefill(nnx.merge(tg, ts), nnx.merge(dg, ds), spec, p, n, jax.random.key(0))
+
+    states = [
+        jax.jit(prefill, static_argnums=4)(ts, ds, jnp.asarray(prompts), jnp.asarray(plen), spec)
+        for spec in (whole, chunked)
+    ]
     a, b = states
     np.testing.assert_array_equal(np.asarray(a.root), np.asarray(b.root))
     for row in range(3):
