@@ -189,6 +189,7 @@ def main(argv: Sequence[str]) -> None:
             max_new_tokens=FLAGS.max_new_tokens,
             seed=FLAGS.seed,
             ignore_eos=FLAGS.ignore_eos,
+            pad_batch_to=min(FLAGS.batch_size, len(todo)),  # a short last batch reuses the full batch's program
         )
         rows = zip(batch, res.tokens, res.stats, strict=True)
         writer.write_batch([make_record(p, t, s, res.wall_s, tokenizer) for p, t, s in rows])

@@ -304,6 +304,7 @@ def test_batches_in_input_order_with_resume(
         "max_new_tokens": 5,
         "seed": 3,
         "ignore_eos": True,
+        "pad_batch_to": 2,  # every batch runs at min(--batch_size, prompts), so the last reuses its program
     }
     records = [json.loads(line) for line in cli.output.read_text().splitlines()]
     assert [r["id"] for r in records] == ["p0", "p1", "p2", "p3", "p4", "t"]

@@ -308,14 +308,11 @@ class KimiForCausalLM(nnx.Module):
         if block_mask is None:
             block_mask = causal_mask(b, n)
         h = self.embed(tokens)
-        feats, new_cache = [], []
+        by_layer, new_cache = {}, []
         for i, layer in enumerate(self.layers):
             h, c = layer(h, positions, cache[i], cache_len, block_mask, naive=naive)
             new_cache.append(c)
             if i in feature_layers:
-                feats.append(h)
-        features = None
-        if feature_layers:
-            by_layer = dict(zip([i for i in range(len(self.layers)) if i in feature_layers], feats, strict=True))
-            features = jnp.concatenate([by_layer[i] for i in feature_layers], axis=-1)
+                by_layer[i] = h
+        features = jnp.concatenate([by_layer[i] for i in feature_layers], axis=-1) if feature_layers else None
         return ForwardOut(rms_norm(h, self.norm[...], self.config.rms_norm_eps), features, new_cache)
