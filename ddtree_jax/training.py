@@ -172,10 +172,11 @@ def load_imbalance(loads: nnx.State) -> jax.Array:
 # ---- drafter ---------------------------------------------------------------------------------------------
 
 
-def sample_anchors(key: jax.Array, batch: int, length: int, anchors: int, block: int) -> jax.Array:
-    """`[batch, anchors]` distinct anchor positions in [1, length - block] (context non-empty, block inside)."""
-    scores = jax.random.uniform(key, (batch, length - block))
-    return (jax.lax.top_k(scores, anchors)[1] + 1).astype(jnp.int32)
+def sample_anchors(key: jax.Array, batch: int, length: int, anchors: int, block: int, lo: int = 1) -> jax.Array:
+    """`[batch, anchors]` distinct anchor positions in [lo, length - block] (lo >= 1: context non-empty; the
+    block stays inside the sequence)."""
+    scores = jax.random.uniform(key, (batch, length - block - lo + 1))
+    return (jax.lax.top_k(scores, anchors)[1] + lo).astype(jnp.int32)
 
 
 def block_targets(tokens: jax.Array, anchors: jax.Array, block: int) -> jax.Array:
@@ -267,6 +268,7 @@ class DrafterTrainer:
     anchors: int
     gamma: float = 4.0
     distill: float = 0.5
+    anchor_lo: int = 1  # first allowed anchor position
     compute_dtype: Any = jnp.bfloat16
 
     def __post_init__(self):
@@ -282,7 +284,7 @@ class DrafterTrainer:
 
     def _step_fn(self, params, opt_state, t_state, tokens, key):
         b, s = tokens.shape
-        anchors = sample_anchors(key, b, s, self.anchors, self.drafter.config.block_size)
+        anchors = sample_anchors(key, b, s, self.anchors, self.drafter.config.block_size, self.anchor_lo)
         (loss, acc), grads = jax.value_and_grad(self.loss, has_aux=True)(params, t_state, tokens, anchors)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, acc
