@@ -1,0 +1,316 @@
+"""Mosaic GPU (Hopper, sm_90a) kernel for absorbed-MLA decode and tree-verify attention.
+
+Semantics are those of `reference.mla_attention_reference`; the entry points mirror `mla_attention.py`
+(`mla_attention_mosaic` ~ `mla_attention_pallas`, `mla_attention_mosaic_split` ~ `mla_attention_split`).
+
+Work layout (FlashMLA-like, simplest form):
+
+* The `N * Hq` query rows of one sequence (row = node * Hq + head) are padded to blocks of 64 rows; one CTA
+  handles one 64-row block against one split (a contiguous range of `block_k`-slot KV tiles, only tiles below
+  `prefix_len[b] + N` are read), so grid = (row blocks, splits, batch).
+* Three warpgroups per CTA: a memory warpgroup streams Q `[64, 576]` once and the KV tiles `[block_k, 576]` by
+  TMA into a `num_stages` SMEM ring; two compute warpgroups both compute S = Q K^T for every tile (the QK work is
+  duplicated on purpose, so P never goes through SMEM) and the same online softmax, then each does P V for its
+  own half of the 512 value columns (a `[64, 256]` f32 accumulator = 128 registers per thread). A schedule
+  barrier staggers the two warpgroups (FA3 ping-pong) so one's softmax overlaps the other's wgmma.
+* Tiles wholly inside the prefix run unmasked; the last tiles (those touching the N-node block) mask by the slot
+  bound and the tree mask, given per row as 32-bit words of ancestor bits (`mla_attention._tree_words`).
+* Each CTA writes a normalised bf16 partial `[64, 512]` (staged in Q's SMEM) and its f32 log-sum-exp; the XLA
+  epilogue of `mla_attention` merges the splits.
+
+SMEM: Q 72 KiB + num_stages * block_k * 1152 B (block_k 64 x 2 stages: 144 KiB) + words and barriers, under the
+227 KiB (232,448 B) an H200 CTA may use; `smem_bytes` checks it before lowering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mla_attention import _auto_splits, _combine, _tree_words
+
+BLOCK_R = 64  # query rows per CTA (one wgmma M tile)
+SMEM_LIMIT = 232_448  # bytes of shared memory one CTA may use on an H100 / H200
+_LOG2E = math.log2(math.e)
+_NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+# Interpret mode as the hardware behaves here: TMA reads past the cache end give zeros.
+INTERPRET_PARAMS = plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMLAConfig:
+    """Tiling of the kernel. `num_splits=0` picks the split count from the problem size (~1 CTA per SM)."""
+
+    block_k: int = 64
+    num_stages: int = 2
+    num_splits: int = 0
+    schedule_barrier: bool = True
+
+    def __post_init__(self):
+        if self.block_k % 64 or self.num_stages < 1:  # P V needs K % 64 == 0 with 128-byte swizzled bf16 tiles
+            raise ValueError(f"block_k must be a multiple of 64 and num_stages >= 1: {self}")
+
+
+def smem_bytes(config: MosaicMLAConfig, dk: int = 576, value_dim: int = 512, n_words: int = 1) -> int:
+    """Shared memory of one CTA: Q (aliased with the bf16 output), the KV ring, tree words, LSE staging and
+    barriers (8 B each)."""
+    barriers = 8 * (1 + 2 * config.num_stages + 2)
+    q_out = 2 * BLOCK_R * max(dk, value_dim)
+    return q_out + 2 * dk * config.num_stages * config.block_k + 4 * BLOCK_R * (n_words + 1) + barriers
+
+
+def _kernel(
+    prefix_ref,
+    q_ref,
+    kv_ref,
+    words_ref,
+    o_ref,
+    lse_ref,
+    q_o_smem,
+    kv_smem,
+    words_smem,
+    lse_smem,
+    q_bar,
+    kv_bars,
+    free_bars,
+    sched_bar,
+    done_bar,
+    *,
+    scale: float,
+    n_nodes: int,
+    value_dim: int,
+    config: MosaicMLAConfig,
+    num_splits: int,
+):
+    """One (row block, split, sequence) CTA of three warpgroups ("wg" 0, 1: compute; 2: memory).
+
+    GMEM: prefix_ref `[B]` int32, q_ref `[B, R, dk]`, kv_ref `[B, L, dk]`, words_ref `[B, W, R]` int32;
+    outputs o_ref `[B, S, R, dv]` bf16 (normalised partials), lse_ref `[B, S, R]` f32.
+    SMEM: q_o_smem = (Q `[64, dk]`, the output `[2, 64, dv / 2]` in the same memory), kv_smem
+    `[stages, block_k, dk]`, words_smem `[W, 64]`, lse_smem `[64]`.
+    """
+    block_k, stages = config.block_k, config.num_stages
+    q_smem, o_smem = q_o_smem
+    half_dv = value_dim // 2
+    wg = lax.axis_index("wg")
+    b = lax.axis_index("batch")
+    split = lax.axis_index("split")
+    row0 = lax.axis_index("rows") * BLOCK_R
+
+    prefix = prefix_ref[b]
+    total = prefix + n_nodes
+    n_tiles = lax.div(total + (block_k - 1), block_k)
+    per_split = lax.div(n_tiles + (num_splits - 1), num_splits)
+    t_lo = jnp.minimum(split * per_split, n_tiles)
+    t_hi = jnp.minimum(t_lo + per_split, n_tiles)
+    t_full = jnp.clip(lax.div(prefix, block_k), t_lo, t_hi)  # tiles [t_lo, t_full) lie wholly inside the prefix
+
+    def schedule():
+        plgpu.barrier_arrive(sched_bar)
+        plgpu.barrier_wait(sched_bar)
+
+    def compute(half: int):
+        """Compute warpgroup `half`: the full softmax, output columns [half * dv / 2, (half + 1) * dv / 2)."""
+        plgpu.set_max_registers(232, action="increase")
+        cols = pl.ds(half * half_dv, half_dv)
+        qk_scale = scale * _LOG2E
+        plgpu.barrier_wait(q_bar)
+        words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])]
+
+        def tile(t, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(t - t_lo, stages)
+            plgpu.barrier_wait(kv_bars.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+                if config.schedule_barrier:
+                    schedule()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_R, block_k), jnp.float32)) * qk_scale
+            if masked:
+                slot_ids = t * block_k + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                rel = slot_ids - prefix
+                word_idx = lax.shift_right_arithmetic(rel, 5)
+                word = jnp.zeros_like(rel)
+                for k, w in enumerate(words):
+                    word = jnp.where(word_idx == k, lax.broadcast_in_dim(w, s.shape, [0]), word)
+                tree = lax.shift_right_logical(word, rel & 31) & 1
+                visible = (slot_ids < total) & ((rel < 0) | (tree == 1))
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(kv_smem.dtype)
+            if config.schedule_barrier:
+                schedule()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, :, cols])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(free_bars.at[slot])
+            return acc, m_new, l_i
+
+        carry = (
+            plgpu.layout_cast(jnp.zeros((BLOCK_R, half_dv), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((BLOCK_R,), _NEG_INIT, jnp.float32), _ROW),
+            plgpu.layout_cast(jnp.zeros((BLOCK_R,), jnp.float32), _ROW),
+        )
+        if config.schedule_barrier and half == 1:
+            schedule()
+        carry = lax.fori_loop(t_lo, t_full, functools.partial(tile, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(t_full, t_hi, functools.partial(tile, masked=True), carry)
+        if config.schedule_barrier and half == 0:
+            schedule()
+
+        seen = l_i > 0.0
+        l_safe = jnp.where(seen, l_i, 1.0)
+        out = acc * lax.broadcast_in_dim(jnp.where(seen, 1.0 / l_safe, 0.0), acc.shape, [0])
+        plgpu.barrier_arrive(done_bar)  # both warpgroups are done reading Q before it is overwritten
+        plgpu.barrier_wait(done_bar)
+        o_smem.at[half][...] = out.astype(o_smem.dtype)
+        if half == 0:
+            lse_smem[...] = jnp.where(seen, m_i / _LOG2E + jnp.log(l_safe), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[half], o_ref.at[b, split, pl.ds(row0, BLOCK_R), cols])
+        if half == 0:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, BLOCK_R)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.when(wg == 0)(functools.partial(compute, 0))
+    pl.when(wg == 1)(functools.partial(compute, 1))
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_R)], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(row0, BLOCK_R)], words_smem, q_bar)
+
+        @pl.loop(t_lo, t_hi)
+        def _(t):
+            step = t - t_lo
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(free_bars.at[slot])
+
+            # The last tile may run past the cache end: TMA fills those rows with zeros (masked anyway).
+            plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(t * block_k, block_k)], kv_smem.at[slot], kv_bars.at[slot])
+
+        @pl.loop(jnp.maximum(t_hi - t_lo - stages, 0), t_hi - t_lo)
+        def _(step):  # observe the last releases too, so every barrier phase is consumed when the CTA ends
+            plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
+
+
+def default_config(batch: int, rows: int, max_len: int) -> MosaicMLAConfig:
+    """64-slot tiles in a 2-stage ring; splits for about one CTA per SM (132 on an H200)."""
+    config = MosaicMLAConfig()
+    splits = _auto_splits(batch * pl.cdiv(rows, BLOCK_R), max_len, config.block_k, target=132)
+    return dataclasses.replace(config, num_splits=splits)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "value_dim", "config", "interpret"))
+def mla_attention_mosaic_split(
+    q: jax.Array,
+    latent_cache: jax.Array,
+    prefix_len: jax.Array,
+    tree_mask: jax.Array,
+    scale: float,
+    value_dim: int = 512,
+    *,
+    config: MosaicMLAConfig,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> jax.Array:
+    """`mla_attention_mosaic` with an explicit tiling: `[B, N, Hq, value_dim]` in q.dtype.
+
+    interpret: run in Mosaic GPU interpret mode on CPU; True means `INTERPRET_PARAMS`.
+    """
+    b, n, heads, dk = q.shape
+    length = latent_cache.shape[1]
+    if latent_cache.dtype != jnp.bfloat16 or value_dim % 128 or dk % 64:
+        raise ValueError(f"need a bf16 cache, value_dim % 128 == 0, dk % 64 == 0; got {latent_cache.dtype} {dk}")
+    block_k = config.block_k
+    # TMA of a tiled [8, 64] SMEM layout needs L % 8 == 0, and no box may exceed the cache: other lengths are padded
+    # (a copy of the whole cache; allocate caches with L % 8 == 0 and L >= block_k to avoid it).
+    if length % 8 or length < block_k:
+        padded = max(block_k, pl.cdiv(length, 8) * 8)
+        latent_cache = jnp.pad(latent_cache, ((0, 0), (0, padded - length), (0, 0)))
+        length = padded
+    rows = n * heads
+    rows_pad = pl.cdiv(rows, BLOCK_R) * BLOCK_R
+    num_splits = config.num_splits or _auto_splits(b * rows_pad // BLOCK_R, length, block_k, target=132)
+    qr = jnp.pad(q.reshape(b, rows, dk).astype(latent_cache.dtype), ((0, 0), (0, rows_pad - rows), (0, 0)))
+    words = _tree_words(tree_mask, heads, rows_pad)  # [B, W, rows_pad]
+    n_words = words.shape[1]
+    if (need := smem_bytes(config, dk, value_dim, n_words)) > SMEM_LIMIT:
+        raise ValueError(f"{config} needs {need} B of shared memory (> {SMEM_LIMIT})")
+
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel, scale=float(scale), n_nodes=n, value_dim=value_dim, config=config, num_splits=num_splits
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((b, num_splits, rows_pad, value_dim), latent_cache.dtype),
+            jax.ShapeDtypeStruct((b, num_splits, rows_pad), jnp.float32),
+        ),
+        scratch_types=[
+            plgpu.RefUnion(
+                plgpu.SMEM((BLOCK_R, dk), latent_cache.dtype, transforms=swizzled),
+                plgpu.SMEM((2, BLOCK_R, value_dim // 2), latent_cache.dtype, transforms=swizzled),
+            ),
+            plgpu.SMEM((config.num_stages, block_k, dk), latent_cache.dtype, transforms=swizzled),
+            plgpu.SMEM((n_words, BLOCK_R), jnp.int32),
+            plgpu.SMEM((BLOCK_R,), jnp.float32),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_barriers=config.num_stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_arrivals=2),
+        ],
+        grid=(rows_pad // BLOCK_R, num_splits, b),
+        grid_names=("rows", "split", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=INTERPRET_PARAMS if interpret is True else interpret,
+    )
+    o_part, lse = kernel(prefix_len.astype(jnp.int32), qr, latent_cache, words)
+    o = _combine(o_part, lse)[:, :rows]
+    return o.reshape(b, n, heads, value_dim).astype(q.dtype)
+
+
+def mla_attention_mosaic(
+    q: jax.Array,
+    latent_cache: jax.Array,
+    prefix_len: jax.Array,
+    tree_mask: jax.Array,
+    scale: float,
+    value_dim: int = 512,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Absorbed-MLA attention of N new nodes over the latent cache; see `reference.mla_attention_reference`.
+
+    q `[B, N, Hq, Dk]`, latent_cache `[B, L, Dk]` bf16 (new nodes at slots prefix_len[b] + j, prefix_len + N <= L),
+    prefix_len `[B]` int32, tree_mask `[B, N, N]` bool -> `[B, N, Hq, value_dim]` in q.dtype. `scale` must be a
+    Python float. Drop-in for `mla_attention.mla_attention_pallas`.
+    """
+    b, n, heads, _ = q.shape
+    config = default_config(b, n * heads, latent_cache.shape[1])
+    return mla_attention_mosaic_split(
+        q, latent_cache, prefix_len, tree_mask, float(scale), value_dim, config=config, interpret=interpret
+    )
