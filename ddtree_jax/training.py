@@ -276,6 +276,7 @@ class DrafterTrainer:
         self.t_graphdef, self.t_state = nnx.split(self.target)
         self.opt_state = self.tx.init(self.params)
         self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+        self._eval = jax.jit(self.loss)
 
     def loss(self, params, t_state, tokens, anchors):
         drafter = nnx.merge(self.graphdef, cast_floats(params, self.compute_dtype))
@@ -297,5 +298,17 @@ class DrafterTrainer:
         )
         return float(loss), float(acc)
 
-    def export(self) -> DFlashDrafter:
-        return nnx.merge(self.graphdef, self.params)
+    def evaluate(self, tokens: np.ndarray, key: jax.Array) -> tuple[float, float]:
+        """(loss, position-1 agreement) on `tokens [B, S]` at anchors drawn from key; no update."""
+        b, s = tokens.shape
+        anchors = sample_anchors(key, b, s, self.anchors, self.drafter.config.block_size, self.anchor_lo)
+        loss, acc = self._eval(self.params, self.t_state, jnp.asarray(tokens), anchors)
+        return float(loss), float(acc)
+
+    def snapshot(self) -> nnx.State:
+        """A copy of the current weights (the step donates its buffers)."""
+        return jax.tree.map(jnp.copy, self.params)
+
+    def export(self, params: nnx.State | None = None) -> DFlashDrafter:
+        """The drafter with the current weights, or with `params` from `snapshot()`."""
+        return nnx.merge(self.graphdef, self.params if params is None else params)

@@ -6,8 +6,12 @@ Acceptance at temperature 0 asks the drafter to predict the target's greedy toke
 is exactly that: random windows of the training stream (--prompt_len tokens) continued greedily by the shipped
 (INT4) target for --gen_tokens. The drafter then trains with the standard recipe (`training.DrafterTrainer`: target
 features computed in the step, position-decayed cross-entropy against a mix of the greedy token and the target's
-distribution, --distill) on anchors inside the generated part only. Sized for a GPU; a few hundred steps run on a
-CPU. Overwrites --out_dir (the drafter, z-lab format) and writes --results_dir/train_dflash_selfdistill_loss.json.
+distribution, --distill) on anchors inside the generated part only. --val_prompts generated sequences are held
+out of training; every --eval_every steps the drafter is scored on them (loss and position-1 agreement with the
+target, fixed anchors) and the best-scoring weights are the ones written: 1M generated tokens overfit within a few
+minutes on an H200 (training agreement 0.94, held-out prompts 0.73), so the stopping point is measured, not
+guessed. Sized for a GPU; a few hundred steps run on a CPU. Overwrites --out_dir (the drafter, z-lab format) and
+writes --results_dir/train_dflash_selfdistill_loss.json.
 """
 
 from __future__ import annotations
@@ -30,26 +34,43 @@ flags.DEFINE_integer("num_prompts", 256, "Generated sequences.")
 flags.DEFINE_integer("prompt_len", 96, "Prompt tokens per sequence (a window of the training stream).")
 flags.DEFINE_integer("gen_tokens", 128, "Greedy tokens generated per sequence.")
 flags.DEFINE_integer("gen_batch", 64, "Generation batch size.")
+flags.DEFINE_float("gen_seconds", 600.0, "Stop generating new batches after this many seconds (logged).")
+flags.DEFINE_integer("val_prompts", 64, "Generated sequences held out for validation (taken first).")
+flags.DEFINE_integer("eval_every", 250, "Steps between validations.")
 flags.DEFINE_integer("batch", 8, "Sequences per step.")
 flags.DEFINE_integer("anchors", 24, "Anchors per sequence (inside the generated part).")
 flags.DEFINE_integer("steps", 2000, "Maximum steps.")
 flags.DEFINE_float("max_seconds", 900.0, "Wall-clock budget of the training loop.")
 flags.DEFINE_float("lr", 5e-4, "Peak learning rate.")
+flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
 flags.DEFINE_float("gamma", 4.0, "Position decay of the loss weights.")
 flags.DEFINE_float("distill", 0.5, "Weight of the target's distribution in the label (rest: the greedy token).")
 flags.DEFINE_integer("seed", 0, "Data and anchor seed.")
 
 
-def generate_sequences(gen, rng: np.random.Generator, tokens: np.ndarray) -> np.ndarray:
-    """`[num_prompts, prompt_len + gen_tokens]` int32: training-stream windows + the target's greedy tokens."""
-    rows = []
-    for _ in range(0, FLAGS.num_prompts, FLAGS.gen_batch):
+def generate_sequences(gen, rng: np.random.Generator, tokens: np.ndarray, count: int) -> np.ndarray:
+    """`[n, prompt_len + gen_tokens]` int32, n <= count (fewer when --gen_seconds runs out; logged):
+    training-stream windows + the target's greedy tokens."""
+    rows, t0 = [], time.perf_counter()
+    while len(rows) < count:
+        if time.perf_counter() - t0 > FLAGS.gen_seconds:
+            logging.warning("--gen_seconds reached: %d of %d sequences generated", len(rows), count)
+            break
         starts = rng.integers(0, len(tokens) - FLAGS.prompt_len, size=FLAGS.gen_batch)
         prompts = [tokens[s : s + FLAGS.prompt_len].astype(np.int64).tolist() for s in starts]
         res = gen.generate(prompts, method="ar", max_new_tokens=FLAGS.gen_tokens, ignore_eos=True)
         rows += [p + t[: FLAGS.gen_tokens] for p, t in zip(prompts, res.tokens, strict=True)]
-        logging.info("generated %d sequences", len(rows))
-    return np.asarray(rows[: FLAGS.num_prompts], np.int32)
+        logging.info("generated %d sequences in %.0fs", len(rows), time.perf_counter() - t0)
+    return np.asarray(rows[:count], np.int32)
+
+
+def validate(trainer, val: np.ndarray, key) -> tuple[float, float]:
+    """Mean (loss, position-1 agreement) over the held-out sequences, in --batch chunks at fixed anchors."""
+    import jax
+
+    n = len(val) // FLAGS.batch * FLAGS.batch
+    scores = [trainer.evaluate(val[i : i + FLAGS.batch], jax.random.fold_in(key, i)) for i in range(0, n, FLAGS.batch)]
+    return tuple(float(np.mean(x)) for x in zip(*scores))
 
 
 def main(argv: Sequence[str]) -> None:
@@ -67,19 +88,30 @@ def main(argv: Sequence[str]) -> None:
 
     rng = np.random.default_rng(FLAGS.seed)
     t_start = time.perf_counter()
-    seqs = generate_sequences(Generator.load(FLAGS.target), rng, np.load(Path(FLAGS.data_dir) / "train_tokens.npy"))
-    logging.info("data: %s tokens in %.0fs", seqs.shape, time.perf_counter() - t_start)
+    if FLAGS.val_prompts < FLAGS.batch:
+        raise app.UsageError(f"--val_prompts ({FLAGS.val_prompts}) must be at least --batch ({FLAGS.batch})")
+    seqs = generate_sequences(
+        Generator.load(FLAGS.target),
+        rng,
+        np.load(Path(FLAGS.data_dir) / "train_tokens.npy"),
+        FLAGS.val_prompts + FLAGS.num_prompts,
+    )
+    val, seqs = seqs[: FLAGS.val_prompts], seqs[FLAGS.val_prompts :]
+    logging.info("data: %s train, %s held out, in %.0fs", seqs.shape, val.shape, time.perf_counter() - t_start)
     trainer = training.DrafterTrainer(
         load_drafter(FLAGS.drafter, dtype=jnp.float32),
         load_target(FLAGS.target, dtype=jnp.bfloat16, quantized=False),
-        training.adamw(FLAGS.lr, 0.0),
+        training.adamw(FLAGS.lr, FLAGS.weight_decay),
         anchors=FLAGS.anchors,
         gamma=FLAGS.gamma,
         distill=FLAGS.distill,
         anchor_lo=FLAGS.prompt_len - 1,  # the last prompt token: every label is a greedy target token
     )
-    key = jax.random.key(FLAGS.seed)
-    curve, t0, n = [], time.perf_counter(), 0
+    key, val_key = jax.random.split(jax.random.key(FLAGS.seed))
+    curve, val_curve, t0, n = [], [], time.perf_counter(), 0
+    best = {"step": 0, "val_agree_pos1": validate(trainer, val, val_key)[1]}
+    best_params = trainer.snapshot()
+    logging.info("held-out position-1 agreement of the starting drafter %.3f", best["val_agree_pos1"])
     while n < FLAGS.steps:
         elapsed = time.perf_counter() - t0
         progress = max(n / FLAGS.steps, elapsed / FLAGS.max_seconds)
@@ -94,22 +126,32 @@ def main(argv: Sequence[str]) -> None:
         if n % 50 == 0 or n == 1:
             curve.append({"step": n, "seconds": elapsed, "lr": lr, "loss": loss, "top1_agree_pos1": acc})
             logging.info("step %d  %.0fs  loss %.4f  pos-1 agreement %.3f", n, elapsed, loss, acc)
+        if n % FLAGS.eval_every == 0:
+            v_loss, v_acc = validate(trainer, val, val_key)
+            val_curve.append({"step": n, "seconds": elapsed, "loss": v_loss, "top1_agree_pos1": v_acc})
+            logging.info("step %d  held-out loss %.4f  pos-1 agreement %.3f", n, v_loss, v_acc)
+            if v_acc > best["val_agree_pos1"]:
+                best, best_params = {"step": n, "val_agree_pos1": v_acc}, trainer.snapshot()
+    logging.info("writing the weights of step %d (held-out agreement %.3f)", best["step"], best["val_agree_pos1"])
     run = {
         "base_drafter": str(FLAGS.drafter),
         "sequences": list(seqs.shape),
+        "held_out_sequences": len(val),
         "steps": n,
+        "best": best,
         "train_seconds": time.perf_counter() - t0,
         "flags": {
             k: FLAGS[k].value
-            for k in ("num_prompts", "prompt_len", "gen_tokens", "batch", "anchors", "lr", "distill", "gamma")
+            for k in ("num_prompts", "val_prompts", "prompt_len", "gen_tokens", "batch", "anchors", "lr", "distill")
+            + ("gamma", "weight_decay")
         },
     }
     with safe_open(str(Path(FLAGS.drafter) / "model.safetensors"), "numpy") as f:
         base_meta = {k: v for k, v in (f.metadata() or {}).items() if k != "format"}
-    save_drafter(trainer.export(), FLAGS.out_dir, metadata={**base_meta, "selfdistill": json.dumps(run)})
+    save_drafter(trainer.export(best_params), FLAGS.out_dir, metadata={**base_meta, "selfdistill": json.dumps(run)})
     out = Path(FLAGS.results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"meta": metadata(), "run": run, "curve": curve}
+    payload = {"meta": metadata(), "run": run, "curve": curve, "val_curve": val_curve}
     (out / "train_dflash_selfdistill_loss.json").write_text(json.dumps(payload, indent=1))
 
 
