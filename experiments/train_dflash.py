@@ -38,6 +38,7 @@ flags.DEFINE_float("distill", 0.5, "Weight of the target's distribution in the l
 flags.DEFINE_float("lr", 2e-3, "Peak learning rate.")
 flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay (matrices only).")
 flags.DEFINE_integer("seed", 0, "Init, anchor and data seed.")
+flags.DEFINE_string("init", "", "Continue from this drafter checkpoint (its config wins over --preset/--block_size).")
 flags.DEFINE_integer("log_every", 25, "Steps between loss-curve points.")
 
 MASK = "[MASK]"
@@ -83,15 +84,21 @@ def main(argv: Sequence[str]) -> None:
 
     from ddtree_jax import training
     from ddtree_jax.checkpoint import load_target
-    from ddtree_jax.dflash_checkpoint import dflash_to_hf_dict, save_drafter
+    from ddtree_jax.dflash_checkpoint import dflash_to_hf_dict, load_drafter, save_drafter
     from ddtree_jax.models.dflash import DFlashDrafter
     from experiments.common import metadata
 
     target = load_target(FLAGS.target, dtype=jnp.bfloat16, quantized=False)
     vocab = json.loads((Path(FLAGS.target) / "tokenizer.json").read_text())
     mask_id = next(t["id"] for t in vocab["added_tokens"] if t["content"] == MASK)
-    cfg = drafter_config(FLAGS.preset, target.config, mask_id, FLAGS.block_size)
-    drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(FLAGS.seed), dtype=jnp.float32)
+    if FLAGS.init:
+        drafter = load_drafter(FLAGS.init, dtype=jnp.float32)
+        cfg = drafter.config
+        if cfg.mask_token_id != mask_id:
+            raise app.UsageError(f"--init drafter's mask id {cfg.mask_token_id} is not the tokenizer's {mask_id}")
+    else:
+        cfg = drafter_config(FLAGS.preset, target.config, mask_id, FLAGS.block_size)
+        drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(FLAGS.seed), dtype=jnp.float32)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
     tokens = np.load(Path(FLAGS.data_dir) / "train_tokens.npy")
     logging.info("drafter: %d params, target layers %s, mask id %d", n_params, cfg.target_layer_ids, mask_id)
@@ -127,10 +134,17 @@ def main(argv: Sequence[str]) -> None:
         "final_loss": curve[-1]["loss"] if curve else None,
         "flags": {
             k: FLAGS[k].value
-            for k in ("preset", "batch", "seq_len", "anchors", "gamma", "distill", "lr", "weight_decay", "seed")
+            for k in ("preset", "init", "batch", "seq_len", "anchors", "gamma", "distill", "lr", "weight_decay")
+            + ("seed",)
         },
     }
-    save_drafter(trainer.export(), FLAGS.out_dir, metadata={"training": json.dumps({**metadata(), **run})})
+    lineage = {}
+    if FLAGS.init:  # keep how the starting drafter was made
+        from safetensors import safe_open
+
+        with safe_open(str(Path(FLAGS.init) / "model.safetensors"), "numpy") as f:
+            lineage = {f"init_{k}": v for k, v in (f.metadata() or {}).items() if k != "format"}
+    save_drafter(trainer.export(), FLAGS.out_dir, metadata={**lineage, "training": json.dumps({**metadata(), **run})})
     results = Path(FLAGS.results_dir)
     results.mkdir(parents=True, exist_ok=True)
     payload = {"meta": metadata(), "run": run, "config": dflash_to_hf_dict(cfg), "curve": curve}
