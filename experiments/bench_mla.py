@@ -28,6 +28,7 @@ from absl import app, flags, logging  # noqa: E402
 from jax import lax  # noqa: E402
 
 from experiments import common  # noqa: E402
+from experiments.mla_common import DK, DV, SCALE, cost, random_tree_mask, rel_err  # noqa: E402
 from pallas_kernels.mla_attention import MLAConfig, default_config, mla_attention_split  # noqa: E402
 from pallas_kernels.reference import mla_attention_reference  # noqa: E402
 
@@ -50,7 +51,6 @@ flags.DEFINE_bool("interpret", False, "run the kernel in Pallas interpret mode (
 flags.DEFINE_string("out_dir", None, "results directory (default experiments/results)")
 flags.DEFINE_string("name", "bench_mla", "results file stem")
 
-DK, DV, SCALE = 576, 512, 0.1446796
 SWEEP_CONFIGS = [
     MLAConfig(block_r=64, block_k=32, num_warps=8, num_stages=3),
     MLAConfig(block_r=64, block_k=64, num_warps=8, num_stages=2),
@@ -88,16 +88,6 @@ def cells() -> list[tuple[int, int, int, int]]:
     if FLAGS.preset == "full":
         out += [(c, n, 32, h) for c in (1024, 8192) for n in (9, 17, 33, 65) for h in (64, 8)]
     return out
-
-
-def random_tree_mask(rng: np.random.Generator, batch: int, n: int) -> np.ndarray:
-    """Ancestor-or-self masks `[B, N, N]` of random trees (parents[i] < i)."""
-    mask = np.zeros((batch, n, n), bool)
-    for b in range(batch):
-        for i in range(n):
-            mask[b, i] = mask[b, rng.integers(0, i)] if i else False
-            mask[b, i, i] = True
-    return mask
 
 
 def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, heads: int):
@@ -164,20 +154,6 @@ def matmul_rate() -> float:
     b = jax.random.normal(kb, (n, n), jnp.bfloat16)
     f = jax.jit(lambda x, y: x @ y)
     return 2 * n**3 / common.time_fn(lambda: f(a, b))
-
-
-def cost(context: int, n: int, batch: int, heads: int) -> tuple[float, float]:
-    """(bytes, FLOPs) of one call: cache rows read once, q read, output written; QK (576) + PV (512) MACs."""
-    length = context + n
-    nbytes = batch * (length * DK + n * heads * (DK + DV)) * 2
-    flops = 2.0 * batch * n * heads * length * (DK + DV)
-    return nbytes, flops
-
-
-def rel_err(out: jax.Array, ref: jax.Array) -> float:
-    """||out - ref|| / ||ref|| in f64 on the host (NaN if out holds NaN)."""
-    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(o - r) / np.linalg.norm(r))
 
 
 def check(rng: np.random.Generator, config: MLAConfig | None = None) -> list[dict[str, Any]]:

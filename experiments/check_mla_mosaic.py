@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from experiments import common  # noqa: E402
+from experiments.mla_common import DK, DV, SCALE, cost, random_tree_mask, rel_err  # noqa: E402
 from pallas_kernels.mla_attention import mla_attention_pallas  # noqa: E402
 from pallas_kernels.mla_mosaic import default_config, mla_attention_mosaic  # noqa: E402
 from pallas_kernels.reference import mla_attention_reference  # noqa: E402
@@ -41,7 +42,6 @@ flags.DEFINE_integer("repeats", 20, "timed calls per path")
 flags.DEFINE_float("budget_s", 120.0, "start no new timing cell after this many seconds")
 flags.DEFINE_bool("skip_timing", False, "correctness only")
 
-DK, DV, SCALE = 576, 512, 0.1446796
 # (context, nodes, batch, heads)
 CELLS = [
     (4096, 1, 8, 64),
@@ -62,29 +62,12 @@ CHECKS = [
 ]
 
 
-def random_tree_mask(rng: np.random.Generator, batch: int, n: int) -> np.ndarray:
-    """Ancestor-or-self masks `[B, N, N]` of random trees (node i > 0 has a random parent < i)."""
-    mask = np.zeros((batch, n, n), bool)
-    for b in range(batch):
-        for i in range(n):
-            if i:
-                mask[b, i] = mask[b, rng.integers(0, i)]
-            mask[b, i, i] = True
-    return mask
-
-
 def make_inputs(rng: np.random.Generator, length: int, n: int, batch: int, heads: int):
     """Random bf16 q `[B, N, Hq, 576]`, cache `[B, length, 576]` (generated on the device) and a tree mask."""
     key_q, key_c = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
     q = jax.random.normal(key_q, (batch, n, heads, DK), jnp.bfloat16)
     cache = jax.random.normal(key_c, (batch, length, DK), jnp.bfloat16)
     return q, cache, jnp.asarray(random_tree_mask(rng, batch, n))
-
-
-def rel_err(out: jax.Array, ref: jax.Array) -> float:
-    """||out - ref|| / ||ref|| in f64 on the host (NaN if out holds NaN)."""
-    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(o - r) / np.linalg.norm(r))
 
 
 def check(rng: np.random.Generator) -> list[dict[str, Any]]:
@@ -120,8 +103,7 @@ def bench_cell(rng: np.random.Generator, context: int, n: int, batch: int, heads
     length = -(-(context + n) // 64) * 64
     q, cache, mask = make_inputs(rng, length, n, batch, heads)
     prefix = jnp.full((batch,), context, jnp.int32)
-    nbytes = batch * ((context + n) * DK + n * heads * (DK + DV)) * 2
-    flops = 2.0 * batch * n * heads * (context + n) * (DK + DV)
+    nbytes, flops = cost(context, n, batch, heads)
     config = default_config(batch, n * heads, length)
     rec: dict[str, Any] = {"context": context, "nodes": n, "batch": batch, "heads": heads}
     rec["splits"] = config.num_splits

@@ -70,14 +70,13 @@ def validate(trainer, val: np.ndarray, key) -> tuple[float, float]:
 
     n = len(val) // FLAGS.batch * FLAGS.batch
     scores = [trainer.evaluate(val[i : i + FLAGS.batch], jax.random.fold_in(key, i)) for i in range(0, n, FLAGS.batch)]
-    return tuple(float(np.mean(x)) for x in zip(*scores))
+    return tuple(float(np.mean(x)) for x in zip(*scores, strict=True))
 
 
 def main(argv: Sequence[str]) -> None:
     del argv
     import jax
     import jax.numpy as jnp
-    from flax import nnx
     from safetensors import safe_open
 
     from ddtree_jax import training
