@@ -107,10 +107,10 @@ def main(argv: Sequence[str]) -> None:
         anchor_lo=FLAGS.prompt_len - 1,  # the last prompt token: every label is a greedy target token
     )
     key, val_key = jax.random.split(jax.random.key(FLAGS.seed))
-    curve, val_curve, t0, n = [], [], time.perf_counter(), 0
     best = {"step": 0, "val_agree_pos1": validate(trainer, val, val_key)[1]}
     best_params = trainer.snapshot()
     logging.info("held-out position-1 agreement of the starting drafter %.3f", best["val_agree_pos1"])
+    curve, val_curve, t0, n = [], [], time.perf_counter(), 0  # after the first validation: warm-up starts at 0
     while n < FLAGS.steps:
         elapsed = time.perf_counter() - t0
         progress = max(n / FLAGS.steps, elapsed / FLAGS.max_seconds)
