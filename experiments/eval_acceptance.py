@@ -6,6 +6,11 @@ Prompts come from experiments/eval_prompts.jsonl (functions of held-out standard
 checks that none of their files is in the target's training list. All prompts run as one batch per method:
 `ar`, the DFlash chain and DDTree at each --budgets; every output must equal `ar`'s. Writes
 experiments/results/acceptance.{json,md} with the per-method acceptance histograms (rounds committing 1..8 tokens).
+
+A row that differs from `ar` is listed with its first differing position and the target's logit gap there
+(logit[ar token] - logit[other token]) from one plain causal prefill of the shared prefix, in the run's dtype and
+in float32: a gap inside bf16 rounding, or a sign that flips between the two, marks a numerical near-tie
+(verify and decode reduce in different orders), not a wrong acceptance.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
@@ -23,6 +29,7 @@ flags.DEFINE_string("drafter", "checkpoints/kimi-mini-dflash", "Drafter checkpoi
 flags.DEFINE_string("prompts", "experiments/eval_prompts.jsonl", "Held-out prompts (JSON Lines, text).")
 flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64"], "DDTree node budgets.")
 flags.DEFINE_integer("max_new_tokens", 96, "Tokens generated per prompt (stop tokens ignored).")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations of both models.")
 flags.DEFINE_string("out_dir", "", "Results directory (default experiments/results).")
 
 COLUMNS = (
@@ -38,17 +45,31 @@ def check_held_out(prompt_ids: list[str], target: Path) -> None:
         raise ValueError(f"prompts from training files: {leaked}")
 
 
+def divergence(target, target32, prompt: list[int], ref: list[int], out: list[int]) -> dict:
+    """First position where `out` leaves `ref`, with the logit gap ref - out there under `target` and `target32`."""
+    pos = next(k for k in range(min(len(ref), len(out))) if ref[k] != out[k])
+    seq = jnp.asarray([prompt + ref[:pos]], jnp.int32)
+    row = {"position": pos, "ar_token": ref[pos], "token": out[pos]}
+    for name, model in (("gap", target), ("gap_f32", target32)):
+        n = seq.shape[1]
+        hidden = model(seq, jnp.arange(n)[None], model.init_cache(1, n), jnp.zeros((1,), jnp.int32)).hidden
+        logits = np.asarray(model.logits(hidden[:, -1]))[0]
+        row[name] = round(float(logits[ref[pos]] - logits[out[pos]]), 4)
+    return row
+
+
 def main(argv: Sequence[str]) -> None:
     del argv
     from ddtree_jax.api import Generator
+    from ddtree_jax.checkpoint import load_target
     from experiments.common import markdown_table, write_results
 
-    gen = Generator.load(FLAGS.target, FLAGS.drafter)
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype))
     rows = [json.loads(line) for line in Path(FLAGS.prompts).read_text().splitlines() if line.strip()]
     check_held_out([r["id"] for r in rows], Path(FLAGS.target))
     prompts = [gen.tokenizer.encode(r["prompt"]) for r in rows]
     runs = [("ar", 1), ("dflash", 1)] + [("ddtree", int(b)) for b in FLAGS.budgets]
-    records, hists, ar_tokens = [], {}, None
+    records, hists, ar_tokens, diverged, target32 = [], {}, None, [], None
     for method, budget in runs:
         res = gen.generate(prompts, method=method, budget=budget, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=True)
         if ar_tokens is None:
@@ -70,6 +91,12 @@ def main(argv: Sequence[str]) -> None:
             }
         )
         logging.info("%s: %s", name, records[-1])
+        for i, (ref, out) in enumerate(zip(ar_tokens, res.tokens, strict=True)):
+            if ref != out:
+                if target32 is None:
+                    target32 = load_target(FLAGS.target, dtype=jnp.float32)
+                diverged.append({"method": name, "row": i, **divergence(gen.target, target32, prompts[i], ref, out)})
+                logging.warning("%s differs from ar: %s", name, diverged[-1])
     by = {(r["method"], r["budget"]): r["tokens_per_round"] for r in records}
     bar = {
         "ddtree16_ge_4": by[("ddtree", 16)] >= 4 if ("ddtree", 16) in by else None,
@@ -78,11 +105,13 @@ def main(argv: Sequence[str]) -> None:
         "all_identical_to_ar": all(r["identical_to_ar"] for r in records),
     }
     extra = {
+        "dtype": FLAGS.dtype,
         "prompts": len(prompts),
         "max_new_tokens": FLAGS.max_new_tokens,
         "accept_hist_note": "rounds committing 1..block_size tokens, summed over prompts",
         "accept_hist": hists,
         "bar": bar,
+        "divergences": diverged,
     }
     path = write_results("acceptance", records, COLUMNS, out_dir=FLAGS.out_dir or None, extra=extra)
     md = path.with_suffix(".md")
@@ -91,10 +120,19 @@ def main(argv: Sequence[str]) -> None:
 
     md.write_text(
         md.read_text()
-        + f"\n{len(prompts)} held-out prompts, {FLAGS.max_new_tokens} new tokens each, temperature 0.\n\n"
+        + f"\n{len(prompts)} held-out prompts, {FLAGS.max_new_tokens} new tokens each, temperature 0, "
+        + f"{FLAGS.dtype}.\n\n"
         + "Acceptance histogram (rounds committing k tokens):\n\n"
         + markdown_table(hist_rows, ["method", *map(str, range(1, depth + 1))])
         + f"\n\nBar: {bar}\n"
+        + (
+            "\nRows differing from `ar` (first differing position; target logit gap ar token - other token from a "
+            "plain prefill, run dtype and float32):\n\n"
+            + markdown_table(diverged, ["method", "row", "position", "ar_token", "token", "gap", "gap_f32"])
+            + "\n"
+            if diverged
+            else ""
+        )
     )
     print(md.read_text())
 

@@ -131,3 +131,29 @@ def test_notebook_executes():
     client.execute()
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 2  # the drawn tree and the per-depth acceptance
+
+
+def test_divergence_finds_the_first_difference_and_the_target_gap_there():
+    import np_kimi
+    import numpy as np
+    from conftest import tiny_kimi_config
+    from test_model import make_model, np_weights
+
+    from experiments.eval_acceptance import divergence
+
+    cfg = tiny_kimi_config()
+    rng = np.random.default_rng()
+    model = make_model(cfg, seed=int(rng.integers(1 << 30)))
+    prompt = rng.integers(0, cfg.vocab_size, 5).tolist()
+    ref = rng.integers(0, cfg.vocab_size, 9).tolist()
+    pos = int(rng.integers(0, 7))
+    out = list(ref)
+    out[pos] = (ref[pos] + 1 + int(rng.integers(cfg.vocab_size - 1))) % cfg.vocab_size
+    out[pos + 2] = (ref[pos + 2] + 1) % cfg.vocab_size  # a later difference must not matter
+    row = divergence(model, model, prompt, ref, out)
+    seq = np.array(prompt + ref[:pos])
+    causal = np.tril(np.ones((len(seq), len(seq)), bool))
+    logits, _ = np_kimi.forward(np_weights(model), cfg, seq, np.arange(len(seq)), causal)
+    want = logits[-1, ref[pos]] - logits[-1, out[pos]]
+    assert (row["position"], row["ar_token"], row["token"]) == (pos, ref[pos], out[pos])
+    assert row["gap"] == row["gap_f32"] == pytest.approx(want, abs=2e-3)
