@@ -2,10 +2,10 @@
 
     python -m experiments.plot_results
 
-train_target_loss.json -> train_target_loss.png, train_dflash_loss.json -> train_dflash_loss.png,
-train_dflash_selfdistill_loss.json -> train_dflash_selfdistill_loss.png,
-acceptance.json -> acceptance_hist.png (rounds committing k tokens, per method, as fractions of rounds).
-The JSON files are written by train_target.py, train_dflash.py, selfdistill_dflash.py and eval_acceptance.py.
+train_target_loss.json -> train_target_loss.png; every drafter stage train_dflash*_loss.json (train_dflash.py and
+selfdistill_dflash.py runs, e.g. train_dflash_stage2_loss.json) -> the same name .png, with the held-out points when
+the run has them; acceptance.json -> acceptance_hist.png (rounds committing k tokens, per method, as fractions of
+rounds). The JSON files are written by train_target.py, train_dflash.py, selfdistill_dflash.py and eval_acceptance.py.
 """
 
 from __future__ import annotations
@@ -33,9 +33,12 @@ def plot_curve(src: Path, title: str, extra: str) -> None:
     ax.set_ylabel("loss (nats)")
     ax2 = ax.twinx()
     ax2.plot(steps, [p[extra] for p in d["curve"]], color="tab:orange", alpha=0.6, label=extra)
+    if d.get("val_curve"):
+        val = d["val_curve"]
+        ax2.plot([p["step"] for p in val], [p[extra] for p in val], "o-", color="tab:red", label=f"held-out {extra}")
     ax2.set_ylabel(extra)
-    ax.set_title(title)
-    fig.legend(loc="upper right")
+    ax.set_title(title, fontsize=10)
+    fig.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(src.with_suffix(".png"), dpi=120)
     plt.close(fig)
@@ -61,12 +64,10 @@ def main(argv: Sequence[str]) -> None:
     del argv
     d = Path(FLAGS.results_dir)
     plot_curve(d / "train_target_loss.json", "Kimi-mini target (MoE load: max/mean)", "load_max_over_mean")
-    plot_curve(d / "train_dflash_loss.json", "DFlash drafter (position-1 agreement with target)", "top1_agree_pos1")
-    plot_curve(
-        d / "train_dflash_selfdistill_loss.json",
-        "DFlash drafter, self-distillation on the target's greedy text (CPU)",
-        "top1_agree_pos1",
-    )
+    for src in sorted(d.glob("train_dflash*_loss.json")):
+        kind = "self-distillation on the target's greedy text" if "selfdistill" in src.name else "corpus training"
+        device = json.loads(src.read_text())["meta"]["device"]
+        plot_curve(src, f"DFlash drafter, {kind}\n{src.stem}, {device}", "top1_agree_pos1")
     plot_acceptance(d / "acceptance.json")
 
 
