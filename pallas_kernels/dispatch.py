@@ -3,6 +3,10 @@
 `moe_swiglu` and `mla_attention` pick the Pallas GPU kernel when running on a GPU and the plain-JAX reference
 elsewhere, or whatever `use_kernels(...)` / the DDTREE_KERNELS environment variable asks for
 ("auto" | "reference" | "pallas"). Every choice is logged once per (op, implementation).
+
+MLA attention has two Pallas kernels: the Pallas-Triton one (`mla_attention.py`, any head dim) and the Mosaic GPU
+one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim). `set_mla_backend` / DDTREE_MLA_KERNEL
+("triton" | "mosaic") picks; a shape the Mosaic kernel does not take runs on Triton, and that is logged.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from absl import logging
 from pallas_kernels import reference
 
 _MODES = ("auto", "reference", "pallas")
-_mode = os.environ.get("DDTREE_KERNELS", "auto")
+_MLA_BACKENDS = ("triton", "mosaic")
+_mode = "auto"
+_mla_backend = "triton"
 _logged: set[tuple[str, str]] = set()
 
 
@@ -44,6 +50,20 @@ def kernel_mode() -> str:
     return _mode
 
 
+def set_mla_backend(name: str) -> None:
+    """Which Pallas MLA kernel `mla_attention` runs in Pallas mode: "triton" or "mosaic"."""
+    global _mla_backend
+    if name not in _MLA_BACKENDS:
+        raise ValueError(f"MLA kernel {name!r} not one of {_MLA_BACKENDS}")
+    _mla_backend = name
+
+
+def _log_once(key: tuple[str, str], msg: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logging.info(msg, *args)
+
+
 def _choose(op: str, available: bool) -> str:
     if _mode == "reference":
         impl = "reference"
@@ -53,9 +73,8 @@ def _choose(op: str, available: bool) -> str:
         impl = "pallas"
     else:
         impl = "pallas" if available and jax.default_backend() == "gpu" else "reference"
-    if (op, impl) not in _logged:
-        _logged.add((op, impl))
-        logging.info("%s: using the %s implementation (mode=%s, backend=%s)", op, impl, _mode, jax.default_backend())
+    backend = jax.default_backend()
+    _log_once((op, impl), "%s: using the %s implementation (mode=%s, backend=%s)", op, impl, _mode, backend)
     return impl
 
 
@@ -69,7 +88,7 @@ def moe_swiglu(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s):
 def mla_attention(q, latent_cache, prefix_len, tree_mask, scale, value_dim=512):
     """Absorbed MLA attention; see `reference.mla_attention_reference` for shapes and semantics."""
     if _choose("mla_attention", _mla_kernel() is not None) == "pallas":
-        return _mla_kernel()(q, latent_cache, prefix_len, tree_mask, scale, value_dim)
+        return mla_kernel_for(q, latent_cache, value_dim)(q, latent_cache, prefix_len, tree_mask, scale, value_dim)
     return reference.mla_attention_reference(q, latent_cache, prefix_len, tree_mask, scale, value_dim)
 
 
@@ -87,3 +106,27 @@ def _mla_kernel():
     except ImportError:
         return None
     return mla_attention_pallas
+
+
+def mla_kernel_for(q: jax.Array, latent_cache: jax.Array, value_dim: int):
+    """The Pallas MLA kernel for these shapes under the selected backend (q `[B, N, Hq, Dk]`, cache `[B, L, Dk]`)."""
+    if _mla_backend == "mosaic":
+        dk = q.shape[-1]
+        if latent_cache.dtype == jax.numpy.bfloat16 and dk % 64 == 0 and value_dim % 128 == 0:
+            from pallas_kernels.mla_mosaic import mla_attention_mosaic
+
+            _log_once(("mla_attention", "mosaic"), "mla_attention: Mosaic GPU kernel")
+            return mla_attention_mosaic
+        _log_once(
+            ("mla_attention", f"mosaic-unsupported-{dk}-{value_dim}-{latent_cache.dtype}"),
+            "mla_attention: the Mosaic kernel takes a bf16 cache, 64 | Dk and 128 | value_dim, not %s %d/%d; "
+            "running the Triton kernel",
+            latent_cache.dtype,
+            dk,
+            value_dim,
+        )
+    return _mla_kernel()
+
+
+set_kernel_mode(os.environ.get("DDTREE_KERNELS", "auto"))  # an unknown value fails at import, naming it
+set_mla_backend(os.environ.get("DDTREE_MLA_KERNEL", "triton"))
