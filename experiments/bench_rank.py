@@ -46,7 +46,7 @@ from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import DenseMLP, KimiForCausalLM, MoE
 from experiments import common
 
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "spec" / "configs"
+CONFIGS = Path(__file__).resolve().parent / "configs"  # copies of ../shared/spec/configs (they travel with the repo)
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target_config", str(CONFIGS / "kimi-k2.6"), "Target config directory (full model).")
 flags.DEFINE_string("drafter_config", str(CONFIGS / "kimi-k2.5-dflash"), "Drafter config directory.")
