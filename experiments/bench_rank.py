@@ -12,7 +12,10 @@ ranks the busiest one gets about 2 at T=1, so the default is 2 (it overestimates
 
 Timed with the engine pieces on the rank model: `engine.ar_round` (one AR step) and `engine.spec_round`
 (draft -> vocab-sharded-style top-K tree -> verify -> walk -> compact) for each budget, plus `engine.draft`
-alone; state donated, --steps back-to-back rounds after --warmup, per-round mean.
+alone; state donated, --steps back-to-back rounds after --warmup, per-round mean. With fewer layers measured
+(--layers, or memory), `rank_ms` = draft_tree_ms + (measured_ms - draft_tree_ms) x 61 / layers: the target's
+share scales with its layers, the drafter and tree build do not (the rank's lm_head is scaled too: a slight
+overestimate).
 
 Communication model (written out in the results): per target forward of T tokens, with t = --tensor,
   * t > 1: one all-reduce of `[T, H]` bf16 after o_proj in every layer, one after the dense / shared FFN down
@@ -61,6 +64,9 @@ flags.DEFINE_float("mem_gb", 135.0, "Device memory budget; layers are reduced (a
 flags.DEFINE_float("alpha_us", 8.0, "Latency of one small collective on NVLink (assumption).")
 flags.DEFINE_float("link_gbps", 450.0, "NVLink bandwidth per direction per GPU, GB/s (assumption: H200 NVLink4).")
 flags.DEFINE_list("taus", ["8:4.48", "16:5.3", "32:5.8"], "budget:tau assumed tokens per DDTree round.")
+flags.DEFINE_integer(
+    "layers", 0, "Measure only this many target layers and scale the target's share to 61 (0: as many as fit)."
+)
 flags.DEFINE_bool("tiny", False, "Tiny dims on CPU: a smoke test of this script.")
 flags.DEFINE_string("out_dir", "", "Results directory (default experiments/results).")
 
@@ -184,13 +190,13 @@ def memory_estimate(rank: Rank, layers: int, cache_len: int) -> dict[str, float]
 
 
 def fit_layers(rank: Rank, cache_len: int) -> tuple[int, dict[str, float]]:
-    """All layers if they fit --mem_gb, else the most that fit (logged and recorded)."""
-    layers = rank.full.num_hidden_layers
+    """--layers if set, else all layers if they fit --mem_gb, else the most that fit (logged and recorded)."""
+    layers = FLAGS.layers or rank.full.num_hidden_layers
     est = memory_estimate(rank, layers, cache_len)
     while est["total"] > FLAGS.mem_gb and layers > 2:
         layers -= 1
         est = memory_estimate(rank, layers, cache_len)
-    if layers < rank.full.num_hidden_layers:
+    if layers < rank.full.num_hidden_layers and not FLAGS.layers:
         logging.warning(
             "rank needs more than %.0f GB: measuring %d of %d layers", FLAGS.mem_gb, layers, rank.full.num_hidden_layers
         )
@@ -320,19 +326,22 @@ def comm_model(rank: Rank, tokens: int, speculative: bool) -> dict[str, float]:
 
 def project(rank: Rank, records: list[dict], layers: int) -> list[dict]:
     taus = {int(b): float(v) for b, v in (x.split(":") for x in FLAGS.taus)}
-    scale = rank.full.num_hidden_layers / layers  # > 1 only if layers were cut to fit
+    scale = rank.full.num_hidden_layers / layers  # > 1 only if fewer layers were measured
     rows = []
     for rec in records:
         spec = rec["method"] == "ddtree"
         comm = comm_model(rank, rec["T"], spec)
         tau = taus.get(rec["budget"], float("nan")) if spec else 1.0
-        round_ms = rec["rank_ms"] * scale + comm["comm_ms"]
+        fixed = rec.get("draft_tree_ms", 0.0)  # drafter + tree build do not grow with the target's layers
+        rank_ms = fixed + (rec["rank_ms"] - fixed) * scale
+        round_ms = rank_ms + comm["comm_ms"]
         rows.append(
             {
                 "method": rec["method"],
                 "budget": rec["budget"],
                 "T": rec["T"],
-                "rank_ms": rec["rank_ms"] * scale,
+                "rank_ms": rank_ms,
+                "measured_ms": rec["rank_ms"],
                 "comm_ms": comm["comm_ms"],
                 "collectives": comm["collectives"],
                 "round_ms": round_ms,
@@ -378,8 +387,8 @@ def main(argv):
     }
     assumptions = {"alpha_us": FLAGS.alpha_us, "link_gbps": FLAGS.link_gbps, "taus": FLAGS.taus}
     name = "bench_rank_tiny" if FLAGS.tiny else f"bench_rank_t{FLAGS.tensor}"
-    columns = ["method", "budget", "T", "rank_ms", "draft_tree_ms", "collectives", "comm_ms", "round_ms", "tau"]
-    columns += ["tok_s_8gpu"]
+    columns = ["method", "budget", "T", "measured_ms", "rank_ms", "draft_tree_ms", "collectives", "comm_ms"]
+    columns += ["round_ms", "tau", "tok_s_8gpu"]
     extra = {"layout": layout, "memory_gb": mem, "assumptions": assumptions, "published": PUBLISHED}
     path = common.write_results(name, rows, columns, out_dir=FLAGS.out_dir or None, extra=extra)
     md = path.with_suffix(".md")
