@@ -5,7 +5,8 @@
 Prompts come from experiments/eval_prompts.jsonl (functions of held-out standard-library files); the script
 checks that none of their files is in the target's training list. All prompts run as one batch per method:
 `ar`, the DFlash chain and DDTree at each --budgets; every output must equal `ar`'s. Writes
-experiments/results/acceptance.{json,md} with the per-method acceptance histograms (rounds committing 1..8 tokens).
+experiments/results/acceptance.{json,md} (acceptance_float32.* with --dtype=float32) with the per-method acceptance
+histograms (rounds committing 1..8 tokens).
 
 A row that differs from `ar` is listed with its first differing position and the target's logit gap there
 (logit[ar token] - logit[other token]) from one plain causal prefill of the shared prefix, in the run's dtype and
@@ -113,7 +114,8 @@ def main(argv: Sequence[str]) -> None:
         "bar": bar,
         "divergences": diverged,
     }
-    path = write_results("acceptance", records, COLUMNS, out_dir=FLAGS.out_dir or None, extra=extra)
+    name = "acceptance" if FLAGS.dtype == "bfloat16" else f"acceptance_{FLAGS.dtype}"
+    path = write_results(name, records, COLUMNS, out_dir=FLAGS.out_dir or None, extra=extra)
     md = path.with_suffix(".md")
     depth = max(len(h) for h in hists.values())
     hist_rows = [{"method": k, **{str(i + 1): v for i, v in enumerate(h)}} for k, h in hists.items() if h]

@@ -24,7 +24,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("results_dir", str(common.RESULTS_DIR), "where the JSON records are; REPORT.md goes here too")
 
 SWEEP_COLS = ["method", "budget", "concurrency", "context", "tokens_per_round", "tokens_per_s"]
-SWEEP_COLS += ["tokens_per_s_per_request", "speedup", "correct"]
+SWEEP_COLS += ["tokens_per_s_per_request", "speedup", "correct", "rows_identical"]
 PIECES = ("draft", "tree", "verify", "accept")
 PUBLISHED = [
     {
@@ -249,6 +249,40 @@ def losses_section(sweeps: list[dict], bench: dict | None) -> list[str]:
     return out
 
 
+def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
+    """Which sweep cells left AR's tokens, and the held-out acceptance runs (bf16 and float32) for comparison."""
+    cells = [r for p in sweeps for r in p["records"] if r["method"] != "ar"]
+    differ = [r for r in cells if not r["correct"]]
+    out = [
+        "## Correctness",
+        f"`correct` = every row of the cell token-identical to AR's in the same run; `rows_identical` = the share "
+        f"that is. {len(differ)} of {len(cells)} speculative sweep cells differ from AR somewhere"
+        + (f" (dtype {sweeps[0]['config'].get('dtype', 'bfloat16')})." if sweeps else "."),
+    ]
+    for name in ("acceptance", "acceptance_float32"):
+        if p := load(d, name):
+            rows = [{k: r[k] for k in ("method", "budget", "tokens_per_round", "rows_differing")} for r in p["records"]]
+            out += [
+                f"`eval_acceptance` ({p.get('dtype', 'bfloat16')}, {p['prompts']} held-out prompts, "
+                f"{p['max_new_tokens']} tokens):",
+                meta_line(p),
+                common.markdown_table(rows, ["method", "budget", "tokens_per_round", "rows_differing"]),
+            ]
+            if p.get("divergences"):
+                cols = ["method", "row", "position", "ar_token", "token", "gap", "gap_f32"]
+                out += ["First differing positions and the target's logit gap there:"]
+                out += [common.markdown_table(p["divergences"], cols)]
+    if differ:
+        out.append(
+            "Verification accepts a drafted token only if it equals the target's own choice in the verify pass, so "
+            "a difference from AR is a difference between the target's bf16 logits for one token computed two ways "
+            "(a 1-token decode step vs a (budget+1)-node verify: different matmul shapes, kernel tilings and "
+            "reduction orders). It shows up where two logits are within bf16 noise; float32 removes it (README, "
+            "'Exactness and bf16')."
+        )
+    return out
+
+
 def kernel_section(d: Path) -> list[str]:
     out = []
     for name in ("bench_moe", "bench_mla"):
@@ -279,6 +313,7 @@ def build(d: Path) -> Path:
     if bench:
         parts += bench_round_section(bench)
     parts += losses_section([p for p in sweeps.values() if p], bench)
+    parts += correctness_section([p for p in sweeps.values() if p], d)
     parts += kernel_section(d)
     parts += [
         "## Published numbers (other systems, other hardware: context only, not comparable)",

@@ -41,6 +41,7 @@ flags.DEFINE_integer("repeats", 3, "timed runs per batch (median)")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per row")
 flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens even past a stop token")
 flags.DEFINE_list("methods", ["ar", "dflash", "ddtree"], "methods per cell (ar always runs: it is the reference)")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and activations of both models")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 flags.register_validator("axis", lambda v: bool(v) and set(v) <= set(AXES), f"--axis: values from {AXES}")
 
@@ -54,6 +55,7 @@ COLUMNS = [
     "tokens_per_s_per_request",
     "speedup",
     "correct",
+    "rows_identical",
     "wall_s",
     "compile_s",
 ]
@@ -160,9 +162,11 @@ def sweep_axis(gen, axis: str, base: list[list[int]], config: dict, meta: dict) 
 
 
 def main(_) -> None:
+    import jax.numpy as jnp
+
     from ddtree_jax.api import Generator
 
-    gen = Generator.load(FLAGS.target, FLAGS.drafter)
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype))
     base, source = workload.load_prompts(gen, FLAGS.prompts, max(FLAGS.num_prompts, 1))
     config = {
         "target": FLAGS.target,
@@ -173,6 +177,7 @@ def main(_) -> None:
         "num_prompts": FLAGS.num_prompts,
         "ignore_eos": FLAGS.ignore_eos,
         "temperature": 0.0,
+        "dtype": FLAGS.dtype,
         "num_draft": gen.drafter.config.num_draft,
         "max_position_embeddings": gen.target_config.max_position_embeddings,
     }
