@@ -139,7 +139,7 @@ def test_divergence_finds_the_first_difference_and_the_target_gap_there():
     from conftest import tiny_kimi_config
     from test_model import make_model, np_weights
 
-    from experiments.eval_acceptance import divergence
+    from experiments.exactness import divergence
 
     cfg = tiny_kimi_config()
     rng = np.random.default_rng()
