@@ -82,8 +82,8 @@ def main(argv: Sequence[str]) -> None:
         logging.info("%s: %s", name, records[-1])
         for i, (ref, out) in enumerate(zip(ar_tokens, res.tokens, strict=True)):
             if ref != out:
-                if target32 is None:
-                    target32 = load_target(FLAGS.target, dtype=jnp.float32)
+                if target32 is None:  # a float32 run already holds it
+                    target32 = gen.target if FLAGS.dtype == "float32" else load_target(FLAGS.target, dtype=jnp.float32)
                 diverged.append({"method": name, "row": i, **divergence(gen.target, target32, prompts[i], ref, out)})
                 logging.warning("%s differs from ar: %s", name, diverged[-1])
     by = {(r["method"], r["budget"]): r["tokens_per_round"] for r in records}
