@@ -287,13 +287,9 @@ def _plan_names(c: KimiConfig, plans: dict[int, list[tuple[str, tuple[int, int],
     return names
 
 
-def _read_packed(
-    reader: Reader, base: str, out_in: tuple[int, int], group: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _read_packed(reader: Reader, base: str, out_in: tuple[int, int], group: int) -> tuple[np.ndarray, np.ndarray]:
     """A pack-quantized linear -> (int32 words [out, in/8], bf16 scales [out, in/G]); checks weight_shape."""
-    (packed, packed_spec), (scale, scale_spec), (shape, shape_spec) = packed_specs(
-        base, out_in, group
-    ).items()
+    (packed, packed_spec), (scale, scale_spec), (shape, shape_spec) = packed_specs(base, out_in, group).items()
     stored = reader.read(shape, *shape_spec).tolist()
     if tuple(stored) != out_in:
         raise CheckpointError(
@@ -302,9 +298,7 @@ def _read_packed(
     return reader.read(packed, *packed_spec), reader.read(scale, *scale_spec)
 
 
-def _read_expert(
-    reader: Reader, base: str, out_in: tuple[int, int], packed: bool, group: int, quantized: bool
-):
+def _read_expert(reader: Reader, base: str, out_in: tuple[int, int], packed: bool, group: int, quantized: bool):
     """One expert projection in the model's form: (int32 packed words, bf16 scale) if quantized, else bf16
     w [out, in]. Float weights are quantized and packed; INT4 ones dequantized, as needed."""
     if packed:

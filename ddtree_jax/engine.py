@@ -267,14 +267,23 @@ def build_trees(spec: GenSpec, draft_logits: jax.Array, root: jax.Array) -> ddtr
     return jax.vmap(lambda lp, ids, r: ddtree.build_tree_from_topk(lp, ids, r, spec.budget))(lp_k, ids_k, root)
 
 
-def verify(
-    target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s: LoopState, tree: ddtree.Tree, key: jax.Array
-) -> tuple[ForwardOut, jax.Array, jax.Array]:
-    """Target forward over the trees (ancestor mask, positions start + depth), then one target draw per node.
+def tree_masks(drafter: DFlashDrafter, tree: ddtree.Tree) -> jax.Array:
+    """`[B, T, T]` ancestor-or-self masks of the batch's trees (depth bounded by the drafter's block)."""
+    return jax.vmap(lambda t: ddtree.ancestor_mask(t, drafter.config.num_draft))(tree)
 
-    Returns (forward, post `[B, T]`, finite `[B]`: every logit of the row was finite).
+
+def verify(
+    target: KimiForCausalLM,
+    drafter: DFlashDrafter,
+    spec: GenSpec,
+    s: LoopState,
+    tree: ddtree.Tree,
+    mask: jax.Array,
+    key: jax.Array,
+) -> tuple[ForwardOut, jax.Array, jax.Array]:
+    """Target forward over the trees (mask `[B, T, T]` from `tree_masks`, positions start + depth), then one
+    target draw per node. Returns (forward, post `[B, T]`, finite `[B]`: every logit of the row was finite).
     """
-    mask = jax.vmap(lambda t: ddtree.ancestor_mask(t, drafter.config.num_draft))(tree)
     positions = s.start[:, None] + tree.depth
     fwd = target(tree.tokens, positions, s.cache, s.start, mask, feature_layers=drafter.config.target_layer_ids)
     logits = target.logits(fwd.hidden)
@@ -282,12 +291,20 @@ def verify(
 
 
 def accept(
-    spec: GenSpec, s: LoopState, tree: ddtree.Tree, features: jax.Array, cache: LatentCache, post, finite
+    spec: GenSpec,
+    s: LoopState,
+    tree: ddtree.Tree,
+    mask: jax.Array,
+    features: jax.Array,
+    cache: LatentCache,
+    post: jax.Array,
+    finite: jax.Array,
 ) -> LoopState:
-    """Walk the verified trees, commit the accepted path + bonus, compact the target cache (already holding the
-    tree's entries at start..start+T-1) and queue the accepted nodes' features for the drafter."""
+    """Walk the verified trees (mask `[B, T, T]` as verified), commit the accepted path + bonus, compact the target
+    cache (already holding the tree's entries at start..start+T-1) and queue the accepted nodes' features for the
+    drafter."""
     d = s.pend_feats.shape[1] - 1
-    path, tau, bonus = jax.vmap(lambda t, p: ddtree.follow_verified_tree(t, p, d))(tree, post)
+    path, tau, bonus = jax.vmap(lambda t, p, m: ddtree.follow_verified_tree(t, p, d, m))(tree, post, mask)
     path = jnp.maximum(path, 0)
     # Emitted this round: the accepted nodes after the root, then the bonus token.
     accepted = _gather_rows(tree.tokens, jnp.concatenate([path[:, 1:], path[:, :1]], axis=1))
@@ -313,8 +330,9 @@ def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s
     key, sub = jax.random.split(s.key)
     draft_logits, dcache = draft(target, drafter, s)
     tree = build_trees(spec, draft_logits, s.root)
-    fwd, post, finite = verify(target, drafter, spec, s, tree, sub)
-    return accept(spec, s._replace(key=key, dcache=dcache), tree, fwd.features, fwd.cache, post, finite)
+    mask = tree_masks(drafter, tree)
+    fwd, post, finite = verify(target, drafter, spec, s, tree, mask, sub)
+    return accept(spec, s._replace(key=key, dcache=dcache), tree, mask, fwd.features, fwd.cache, post, finite)
 
 
 def generate(

@@ -22,16 +22,10 @@ from ddtree_jax.sizing import model_sizes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target checkpoint directory (or its config.json).")
-flags.DEFINE_string(
-    "drafter", None, "DFlash drafter checkpoint directory (counted for dflash / ddtree plans)."
-)
+flags.DEFINE_string("drafter", None, "DFlash drafter checkpoint directory (counted for dflash / ddtree plans).")
 flags.DEFINE_integer("batch_size", None, "Batch for the memory plan (with --max_len).")
-flags.DEFINE_integer(
-    "max_len", None, "Context (prompt + new tokens) for the memory plan (with --batch_size)."
-)
-flags.DEFINE_integer(
-    "prompt_len", None, "Prompt length the plan's prefill runs over; default: all of --max_len."
-)
+flags.DEFINE_integer("max_len", None, "Context (prompt + new tokens) for the memory plan (with --batch_size).")
+flags.DEFINE_integer("prompt_len", None, "Prompt length the plan's prefill runs over; default: all of --max_len.")
 flags.DEFINE_enum("method", "ddtree", ["ar", "dflash", "ddtree"], "Decoding method of the plan.")
 flags.DEFINE_integer("budget", 16, "DDTree node budget of the plan.")
 flags.DEFINE_string("mesh", None, 'Mesh of the plan, e.g. "expert=8"; default: one device.')
@@ -57,9 +51,7 @@ def memory_report() -> dict:
         "budget": FLAGS.budget,
         "layout": memory.Layout.from_spec(FLAGS.mesh) if FLAGS.mesh else memory.Layout(),
     }
-    p = memory.plan(
-        target, drafter, batch=FLAGS.batch_size, max_len=FLAGS.max_len, prompt_len=FLAGS.prompt_len, **kw
-    )
+    p = memory.plan(target, drafter, batch=FLAGS.batch_size, max_len=FLAGS.max_len, prompt_len=FLAGS.prompt_len, **kw)
     report = p.to_dict()
     if FLAGS.device_gb is not None:
         free = int(FLAGS.device_gb * memory.GB)

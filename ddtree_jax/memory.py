@@ -82,9 +82,7 @@ class Plan:
 
     @property
     def total(self) -> int:
-        return (
-            sum(self.weights.values()) + self.target_cache + self.drafter_cache + max(self.workspace.values())
-        )
+        return sum(self.weights.values()) + self.target_cache + self.drafter_cache + max(self.workspace.values())
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -101,9 +99,7 @@ class Plan:
 
 def fmt_bytes(n: float) -> str:
     """1.5e10 -> "15.0 GB", 2.5e6 -> "2.5 MB" (decimal units)."""
-    unit, scale = next(
-        (u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)) if n >= s or s == 1
-    )
+    unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)) if n >= s or s == 1)
     return f"{n / scale:.1f} {unit}"
 
 
@@ -117,9 +113,7 @@ def _weights(c: KimiConfig, d: DFlashConfig | None, lay: Layout, w: int) -> dict
     n_moe = len(c.moe_layers)
     routed_stored = sizes["expert_bytes"] * c.n_routed_experts * n_moe
     router_bias = c.n_routed_experts * n_moe * F32_BYTES
-    float_params = (
-        sizes["weight_bytes"] - routed_stored - router_bias
-    ) // 2  # everything else is stored bf16
+    float_params = (sizes["weight_bytes"] - routed_stored - router_bias) // 2  # everything else is stored bf16
     split = tensor_split_params(c)
     experts_here = math.ceil(c.n_routed_experts / (lay.expert * lay.tensor)) if c.n_routed_experts else 0
     expert_scale = 1 if c.quant is not None else w / 2  # float experts follow the model dtype
@@ -143,10 +137,7 @@ def _prefill(c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, p: int,
     total = scores + qkvo + 4 * b * ch * h * w + moe
     if d is not None:
         k = len(d.target_layer_ids)
-        total += (
-            b * ch * k * h * w
-            + d.num_hidden_layers * 2 * b * ch * d.num_key_value_heads * d.head_dim * F32_BYTES
-        )
+        total += b * ch * k * h * w + d.num_hidden_layers * 2 * b * ch * d.num_key_value_heads * d.head_dim * F32_BYTES
     return total
 
 
@@ -208,9 +199,7 @@ def plan(
         tree_size=t,
         weights=_weights(c, d, lay, w),
         target_cache=c.num_hidden_layers * b * cap * c.latent_dim * w,
-        drafter_cache=0
-        if d is None
-        else d.num_hidden_layers * 2 * b * cap * d.num_key_value_heads * d.head_dim * w,
+        drafter_cache=0 if d is None else d.num_hidden_layers * 2 * b * cap * d.num_key_value_heads * d.head_dim * w,
         workspace={"prefill": _prefill(c, d, lay, b, p, w, cap), "round": _round(c, d, lay, b, t, cap, w)},
     )
 
@@ -270,9 +259,7 @@ def device_free_bytes() -> int | None:
     return min(free)
 
 
-def check_fits(
-    target_cfg: KimiConfig, drafter_cfg: DFlashConfig | None, *, context_limit: int, **kw: Any
-) -> Plan:
+def check_fits(target_cfg: KimiConfig, drafter_cfg: DFlashConfig | None, *, context_limit: int, **kw: Any) -> Plan:
     """Plan the run (`plan` arguments in `kw`) and refuse it with a `UserError` saying what fits when the
     device has too little free memory; where the device reports none (CPU), log that the check is skipped."""
     p = plan(target_cfg, drafter_cfg, **kw)

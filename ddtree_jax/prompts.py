@@ -27,9 +27,7 @@ def _is_id(v: Any) -> bool:
     return isinstance(v, str | int) and not isinstance(v, bool)
 
 
-def read_prompts(
-    path: str | Path, tokenizer: Tokenizer | None, vocab_size: int, chat: bool = False
-) -> list[Prompt]:
+def read_prompts(path: str | Path, tokenizer: Tokenizer | None, vocab_size: int, chat: bool = False) -> list[Prompt]:
     """Read `{"id", "prompt": text}` / `{"id", "prompt_ids": [...]}` lines; blank lines are skipped.
 
     Text goes through `tokenizer` (its chat format when `chat`); every id must lie in [0, vocab_size).

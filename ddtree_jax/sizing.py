@@ -77,9 +77,7 @@ def tensor_split_params(c: KimiConfig) -> int:
     dense and shared-expert FFNs and the lm_head."""
     heads, h, n_moe = c.num_attention_heads, c.hidden_size, len(c.moe_layers)
     per_layer = heads * (
-        c.q_lora_rank * c.qk_head_dim
-        + c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim)
-        + c.v_head_dim * h
+        c.q_lora_rank * c.qk_head_dim + c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim) + c.v_head_dim * h
     )
     return (
         per_layer * c.num_hidden_layers

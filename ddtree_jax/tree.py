@@ -69,8 +69,7 @@ def _lex_keys(beams: list[_Beam]) -> list[jax.Array]:
     keys = []
     for level in range(n_depth):
         parts = [
-            per_beam[d][level] if level <= d else jnp.full(b.score.shape, -1, jnp.int32)
-            for d, b in enumerate(beams)
+            per_beam[d][level] if level <= d else jnp.full(b.score.shape, -1, jnp.int32) for d, b in enumerate(beams)
         ]
         keys.append(jnp.concatenate(parts))
     return keys
@@ -200,25 +199,26 @@ def positions(tree: Tree, start: jax.Array | int) -> jax.Array:
 
 
 def follow_verified_tree(
-    tree: Tree, post: jax.Array, max_depth: int
+    tree: Tree, post: jax.Array, max_depth: int, anc: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Walk the verified tree from the root (spec §3.6) given post [T], the target's token at each node.
 
-    Descend to the valid child c of the current node with tokens[c] == post[current] (unique: siblings have
-    distinct tokens) for at most `max_depth` (static) steps. Returns path [max_depth + 1] int32 (visited node
-    indices, path[0] = 0, entries from tau on padded with 0), tau int32 = number of visited nodes (>= 1), and
+    The walk descends to the valid child c of the current node with tokens[c] == post[current] (unique: siblings
+    have distinct tokens) for at most `max_depth` (static) steps. Computed without a loop: a node is reached iff
+    every ancestor-or-self j != 0 matches (valid, tokens[j] == post[parents[j]]) and its depth <= max_depth; the
+    reached nodes form one path and the deepest is where the walk stops. `anc` is `ancestor_mask(tree,
+    max_depth)` when the caller already has it. Returns path [max_depth + 1] int32 (visited node indices,
+    path[0] = 0, entries from tau on padded with 0), tau int32 = number of visited nodes (>= 1), and
     bonus = post[path[tau - 1]].
     """
     post = post.astype(jnp.int32)
-
-    def step(s, carry):
-        path, cur, tau = carry
-        match = tree.valid & (tree.parents == cur) & (tree.tokens == post[cur])
-        found = jnp.any(match)  # once no child matches, cur is frozen and every later step finds none
-        child = jnp.argmax(match).astype(jnp.int32)
-        path = path.at[s + 1].set(jnp.where(found, child, 0))
-        return path, jnp.where(found, child, cur), tau + found.astype(jnp.int32)
-
-    path0 = jnp.zeros(max_depth + 1, jnp.int32)
-    path, last, tau = jax.lax.fori_loop(0, max_depth, step, (path0, jnp.int32(0), jnp.int32(1)))
+    anc = ancestor_mask(tree, max_depth) if anc is None else anc
+    idx = jnp.arange(tree.tokens.shape[0], dtype=jnp.int32)
+    match = tree.valid & (tree.tokens == post[jnp.maximum(tree.parents, 0)]) & (tree.depth <= max_depth)
+    match = match | (idx == 0)
+    reached = jnp.all(match[None, :] | ~anc, axis=1) & tree.valid
+    last = jnp.argmax(jnp.where(reached, tree.depth, -1)).astype(jnp.int32)
+    tau = tree.depth[last] + 1
+    slot = jnp.where(anc[last], tree.depth, max_depth + 1)  # path[depth of each ancestor-or-self of last]
+    path = jnp.zeros(max_depth + 1, jnp.int32).at[slot].set(idx, mode="drop")
     return path, tau, post[last]

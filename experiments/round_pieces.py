@@ -1,8 +1,8 @@
 """One generation round cut into separately jitted pieces (engine.py's own functions), for timing.
 
 Pieces of a DDTree / DFlash round: draft (flush pending features into the drafter cache + draft one block),
-tree (build the trees), verify (ancestor masks + target forward over the tree + one draw per node), accept
-(walk, commit, compact the latent cache). Plus the whole round and one AR step, each as one jit.
+tree (build the trees and their ancestor masks), verify (target forward over the tree + one draw per node),
+accept (walk, commit, compact the latent cache). Plus the whole round and one AR step, each as one jit.
 
 Every piece donates the cache it updates and the timer threads the updated cache into the next call, so cache
 writes happen in place as inside the generate loop. All other inputs stay those of the given state: repeated
@@ -69,18 +69,20 @@ def time_round(
         return engine.draft(t, d, s._replace(dcache=dcache))
 
     @jax.jit
-    def build(logits, root):
-        return engine.build_trees(spec, logits, root)
+    @merged
+    def build(t, d, logits, root):
+        tree = engine.build_trees(spec, logits, root)
+        return tree, engine.tree_masks(d, tree)
 
     @functools.partial(jax.jit, donate_argnums=3)
     @merged
-    def verify(t, d, s, cache, tree, key):
-        fwd, post, finite = engine.verify(t, d, spec, s._replace(cache=cache), tree, key)
+    def verify(t, d, s, cache, tree, mask, key):
+        fwd, post, finite = engine.verify(t, d, spec, s._replace(cache=cache), tree, mask, key)
         return fwd.cache, fwd.features, post, finite
 
     @functools.partial(jax.jit, donate_argnums=2)
-    def accept(s, tree, cache, features, post, finite):
-        return engine.accept(spec, s, tree, features, cache, post, finite)
+    def accept(s, tree, mask, cache, features, post, finite):
+        return engine.accept(spec, s, tree, mask, features, cache, post, finite)
 
     @functools.partial(jax.jit, donate_argnums=(3, 4))
     @merged
@@ -93,12 +95,12 @@ def time_round(
     times, out = {}, s
     if pieces:
         times["draft"], (logits, dcache) = timed(lambda c: draft(ts, ds, rest, c[1]), (None, s.dcache))
-        times["tree"], tree = timed(lambda _: build(logits, s.root), None)
+        times["tree"], (tree, mask) = timed(lambda _: build(ts, ds, logits, s.root), None)
         times["verify"], (cache, features, post, finite) = timed(
-            lambda c: verify(ts, ds, rest, c[0], tree, key), (s.cache,)
+            lambda c: verify(ts, ds, rest, c[0], tree, mask, key), (s.cache,)
         )
         times["accept"], out = timed(
-            lambda st: accept(rest, tree, st.cache, features, post, finite), s._replace(cache=cache)
+            lambda st: accept(rest, tree, mask, st.cache, features, post, finite), s._replace(cache=cache)
         )
         times["sum_of_pieces"] = sum(times[p] for p in PIECES)
         out = out._replace(dcache=dcache)

@@ -6,8 +6,9 @@
     python -m experiments.sweep --axis=budget,concurrency,context   # all three in one process
 
 Per cell (method, budget, concurrency B, context): the prompts are cut to the context length and run as
-ceil(num_prompts / B) batches of B rows (prompts cycled), each batch once to compile and warm up, then `repeats`
-times. wall_s is the sum over batches of the median wall time (compilation excluded). tokens_per_s is aggregate
+ceil(num_prompts / B) batches of B rows (prompts cycled), each batch once to warm up, then `repeats` times. Every
+cell's program is compiled up front, `--compile_workers` at a time. wall_s is the sum over batches of the median
+wall time (compilation excluded). tokens_per_s is aggregate
 (generated tokens / wall_s); tokens_per_s_per_request the mean over rows of row tokens / batch wall time;
 tokens_per_round the acceptance length (committed tokens per round, bonus included); speedup is over AR measured
 in the same run at the same (B, context); `correct` says the greedy outputs equal AR's token for token.
@@ -17,7 +18,9 @@ Results are rewritten after every cell to <out_dir>/sweep_<axis>.json and .md.
 from __future__ import annotations
 
 import math
+import os
 import statistics
+from typing import NamedTuple
 
 import numpy as np
 from absl import app, flags
@@ -42,6 +45,9 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per row")
 flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens even past a stop token")
 flags.DEFINE_list("methods", ["ar", "dflash", "ddtree"], "methods per cell (ar always runs: it is the reference)")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and activations of both models")
+flags.DEFINE_integer(
+    "compile_workers", min(8, os.cpu_count() or 1), "threads compiling all cells' programs up front (1: one by one)"
+)
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 flags.register_validator("axis", lambda v: bool(v) and set(v) <= set(AXES), f"--axis: values from {AXES}")
 
@@ -67,19 +73,19 @@ def clamp_context(requested: int, max_pos: int, max_new: int, depth: int) -> int
     return min(requested, limit)
 
 
+def _gen_kwargs(method: str, budget: int) -> dict:
+    return {"method": method, "budget": budget, "max_new_tokens": FLAGS.max_new_tokens, "ignore_eos": FLAGS.ignore_eos}
+
+
 def measure(gen, batches: list[list[list[int]]], method: str, budget: int, repeats: int) -> dict:
-    """Run every batch (once untimed, then `repeats` times) -> stats of the cell and the generated rows."""
-    kw = {
-        "method": method,
-        "budget": budget,
-        "max_new_tokens": FLAGS.max_new_tokens,
-        "ignore_eos": FLAGS.ignore_eos,
-    }
-    wall, compile_s, rows, per_request, committed, rounds = 0.0, 0.0, [], [], 0, 0
+    """Run every batch (once untimed, then `repeats` times) -> stats of the cell and the generated rows.
+    compile_s: the seconds its program took to compile (with `--compile_workers` > 1, overlapping others)."""
+    kw = _gen_kwargs(method, budget)
+    wall, rows, per_request, committed, rounds, specs = 0.0, [], [], 0, 0, set()
     hist = None
     for batch in batches:
         first = gen.generate(batch, **kw)
-        compile_s += first.compile_s
+        specs.add(first.spec)
         med = statistics.median(gen.generate(batch, **kw).wall_s for _ in range(repeats))
         wall += med
         rows += first.tokens
@@ -92,7 +98,7 @@ def measure(gen, batches: list[list[list[int]]], method: str, budget: int, repea
     tokens = sum(len(t) for t in rows)
     return {
         "wall_s": wall,
-        "compile_s": compile_s,
+        "compile_s": sum(gen.compile_seconds[sp] for sp in specs),
         "tokens": tokens,
         "tokens_per_s": tokens / wall,
         "tokens_per_s_per_request": float(np.mean(per_request)),
@@ -111,26 +117,51 @@ def cells(axis: str) -> list[tuple[int, int]]:
     return [(1, FLAGS.prompt_len)]
 
 
-def sweep_axis(gen, axis: str, base: list[list[int]], config: dict, meta: dict) -> list[dict]:
-    """All cells of one axis -> records (also written to sweep_<axis>.json/.md after every cell)."""
-    depth = config["num_draft"]
+class Group(NamedTuple):
+    """One (concurrency, context) point of an axis: its batches and the methods that run on them."""
+
+    concurrency: int
+    context: int
+    requested: int
+    batches: list[list[list[int]]]
+    methods: list[tuple[str, int]]
+
+
+def plan_axis(gen, axis: str, base: list[list[int]], depth: int) -> list[Group]:
+    """The groups of one axis (contexts clamped to the model, duplicates after clamping dropped)."""
     budgets = [int(b) for b in (FLAGS.budgets if axis == "budget" else FLAGS.axis_budgets)]
     methods = [("ar", 1)]
     methods += [("dflash", depth)] if "dflash" in FLAGS.methods else []
     methods += [("ddtree", b) for b in budgets] if "ddtree" in FLAGS.methods else []
-    groups = cells(axis)
     max_pos = gen.target_config.max_position_embeddings
-    records, seen = [], set()
-    bar = Progress(len(groups) * len(methods), f"sweep {axis}")
-    for conc, requested in groups:
+    groups, seen = [], set()
+    for conc, requested in cells(axis):
         ctx = clamp_context(requested, max_pos, FLAGS.max_new_tokens, depth)
         if (conc, ctx) in seen:
-            bar.i += len(methods)
             continue
         seen.add((conc, ctx))
         n_rows = conc * math.ceil(max(FLAGS.num_prompts, 1) / conc)
         rows = workload.at_length(base, ctx, n_rows)
         batches = [rows[i : i + conc] for i in range(0, n_rows, conc)]
+        groups.append(Group(conc, ctx, requested, batches, methods))
+    return groups
+
+
+def group_specs(gen, group: Group) -> list:
+    """The compiled programs a group runs (one per method and batch shape)."""
+    return [
+        gen.spec(len(b), max(map(len, b)), temperature=0.0, **_gen_kwargs(m, bud))
+        for m, bud in group.methods
+        for b in group.batches
+    ]
+
+
+def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) -> list[dict]:
+    """All cells of one axis -> records (also written to sweep_<axis>.json/.md after every cell)."""
+    max_pos = gen.target_config.max_position_embeddings
+    records = []
+    bar = Progress(sum(len(g.methods) for g in groups), f"sweep {axis}")
+    for conc, ctx, requested, batches, methods in groups:
         for method, budget in methods:
             bar.step(f"{method} b={budget} B={conc} ctx={ctx}")
             stats = measure(gen, batches, method, budget, FLAGS.repeats)
@@ -181,9 +212,15 @@ def main(_) -> None:
         "num_draft": gen.drafter.config.num_draft,
         "max_position_embeddings": gen.target_config.max_position_embeddings,
     }
+    plans = {axis: plan_axis(gen, axis, base, config["num_draft"]) for axis in FLAGS.axis}
+    specs = [sp for groups in plans.values() for g in groups for sp in group_specs(gen, g)]
+    print(f"compiling {len(set(specs))} programs on {FLAGS.compile_workers} threads")
+    config["precompile_s"] = gen.precompile(specs, FLAGS.compile_workers)
+    config["compile_workers"] = FLAGS.compile_workers
+    print(f"compiled in {config['precompile_s']:.1f}s")
     meta = common.metadata()
-    for axis in FLAGS.axis:
-        print(common.markdown_table(sweep_axis(gen, axis, base, config, meta), COLUMNS))
+    for axis, groups in plans.items():
+        print(common.markdown_table(sweep_axis(gen, axis, groups, config, meta), COLUMNS))
 
 
 if __name__ == "__main__":

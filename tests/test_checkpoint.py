@@ -123,9 +123,7 @@ def test_writer_produces_hf_layout(synthetic_ckpt):
     assert tensors[f"{prefix}layers.1.mlp.gate.e_score_correction_bias"].dtype == np.float32
     if cfg.layout == "nested":
         assert config["model_type"] == "kimi_k25" and "text_config" in config
-        assert any(k.startswith("vision_tower.") for k in index) and any(
-            k.startswith("mm_projector.") for k in index
-        )
+        assert any(k.startswith("vision_tower.") for k in index) and any(k.startswith("mm_projector.") for k in index)
     else:
         assert config["model_type"] == "kimi_k2"
 
@@ -162,9 +160,7 @@ def test_export_round_trip(synthetic_ckpt):
 def test_logits_match_model_built_from_same_weights(synthetic_ckpt):
     cfg, tensors, path = synthetic_ckpt
     loaded = checkpoint.load_target(path, dtype=jnp.float32)
-    graphdef, state = nnx.split(
-        nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(7), dtype=jnp.float32))
-    )
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(7), dtype=jnp.float32)))
     want = expected_params(tensors, cfg, quantized=True)
     for p, var in nnx.to_flat_state(state):
         var.set_value(jnp.asarray(want[p], var.get_value().dtype))
@@ -211,9 +207,7 @@ def test_orbax_round_trip(synthetic_ckpt, tmp_path):
     for p in a:
         assert a[p].dtype == b[p].dtype and a[p].shape == b[p].shape, p
         assert b[p].sharding == dev
-        np.testing.assert_array_equal(
-            np.asarray(a[p].astype(jnp.float32)), np.asarray(b[p].astype(jnp.float32))
-        )
+        np.testing.assert_array_equal(np.asarray(a[p].astype(jnp.float32)), np.asarray(b[p].astype(jnp.float32)))
 
 
 # ---- bad checkpoints -----------------------------------------------------------------------------
@@ -377,8 +371,6 @@ def test_convert_cli(tmp_path):
     assert a.keys() == b.keys()
     for p in a:
         assert a[p].dtype == b[p].dtype
-        np.testing.assert_array_equal(
-            np.asarray(a[p].astype(jnp.float32)), np.asarray(b[p].astype(jnp.float32))
-        )
+        np.testing.assert_array_equal(np.asarray(a[p].astype(jnp.float32)), np.asarray(b[p].astype(jnp.float32)))
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr

@@ -179,6 +179,18 @@ def test_one_compiled_program_per_shape():
     assert a.stats[0]["rounds"] >= 1 and len(a.stats[0]["accept_hist"]) == drafter.config.block_size
 
 
+def test_precompile_on_threads_serves_later_calls():
+    target, drafter = make_pair(5)
+    gen = Generator(target, drafter)
+    kw = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
+    specs = [gen.spec(2, 4, method=m, budget=3, **kw) for m in ("ar", "dflash", "ddtree")]
+    gen.precompile(specs + specs[:1], workers=3)
+    assert set(gen.compile_seconds) == set(specs) and all(t > 0 for t in gen.compile_seconds.values())
+    for m, spec in zip(("ar", "dflash", "ddtree"), specs, strict=True):
+        res = gen.generate([[1, 2], [3, 4, 5]], method=m, budget=3, max_new_tokens=5, ignore_eos=True)
+        assert res.compile_s == 0 and res.spec == spec
+
+
 # ---- temperature > 0: the distribution of generated sequences is the target's -------------------------------
 
 
@@ -224,9 +236,9 @@ def biased_walk(original):
     """A lossy rule wrapped around the real walk: the root's first child (the drafter's top token) is always
     accepted."""
 
-    def walk(tree, post, max_depth):
+    def walk(tree, post, max_depth, anc=None):
         forced = post.at[0].set(jnp.where(tree.valid[1], tree.tokens[1], post[0]))
-        return original(tree, forced, max_depth)
+        return original(tree, forced, max_depth, anc)
 
     return walk
 
@@ -309,7 +321,8 @@ def test_chunked_prefill_equals_single_pass():
         n = int(plen[row])
         for ca, cb in zip(a.cache, b.cache, strict=True):
             np.testing.assert_allclose(np.asarray(ca[row, :n]), np.asarray(cb[row, :n]), rtol=2e-4, atol=2e-5)
-        np.testing.assert_allclose(np.asarray(a.dcache.k[:, row, :n]), np.asarray(b.dcache.k[:, row, :n]),
-                                   rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(
+            np.asarray(a.dcache.k[:, row, :n]), np.asarray(b.dcache.k[:, row, :n]), rtol=2e-4, atol=2e-5
+        )
     got = [run(target, drafter, spec, prompts, plen)[0] for spec in (whole, chunked)]
     assert got[0] == got[1]

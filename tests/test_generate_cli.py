@@ -76,9 +76,7 @@ class Cli:
         self.tmp = tmp
         self.target = write_checkpoint(tmp / "target", target_config())
         self.drafter = write_checkpoint(tmp / "drafter", drafter_config(), tokenizer=False)
-        self.prompts = self.write_prompts(
-            {"id": "a", "prompt": "hello"}, {"id": "b", "prompt_ids": [1, 2, 3]}
-        )
+        self.prompts = self.write_prompts({"id": "a", "prompt": "hello"}, {"id": "b", "prompt_ids": [1, 2, 3]})
         self.output = tmp / "out.jsonl"
 
     def write_prompts(self, *records: object, raw: bytes | None = None) -> Path:
@@ -189,9 +187,7 @@ def test_prompt_line_not_json(cli: Cli) -> None:
 
 def test_prompt_without_prompt_field(cli: Cli) -> None:
     cli.write_prompts({"id": "q", "text": "hello"})
-    cli.assert_user_error(
-        cli.run(), "prompts.jsonl:1: prompt 'q' needs exactly one of 'prompt' and 'prompt_ids'"
-    )
+    cli.assert_user_error(cli.run(), "prompts.jsonl:1: prompt 'q' needs exactly one of 'prompt' and 'prompt_ids'")
 
 
 def test_prompt_ids_outside_vocab(cli: Cli) -> None:
@@ -206,9 +202,7 @@ def test_prompt_not_utf8(cli: Cli) -> None:
 
 def test_text_prompt_without_tokenizer(cli: Cli) -> None:
     (cli.target / "tiktoken.model").unlink()
-    cli.assert_user_error(
-        cli.run(), "prompts.jsonl:1: prompt 'a' is text, but the checkpoint has no tokenizer"
-    )
+    cli.assert_user_error(cli.run(), "prompts.jsonl:1: prompt 'a' is text, but the checkpoint has no tokenizer")
 
 
 @pytest.mark.parametrize(("method", "fits"), [("ar", 56), ("ddtree", 53)])
@@ -284,9 +278,7 @@ def run_in_process(cli: Cli, *extra: str) -> None:
 def test_batches_in_input_order_with_resume(
     cli: Cli, fake_engine: type[FakeGenerator], capsys: pytest.CaptureFixture
 ) -> None:
-    cli.write_prompts(
-        *({"id": f"p{i}", "prompt_ids": [10 * i + 1]} for i in range(5)), {"id": "t", "prompt": "A"}
-    )
+    cli.write_prompts(*({"id": f"p{i}", "prompt_ids": [10 * i + 1]} for i in range(5)), {"id": "t", "prompt": "A"})
     cli.output.write_text(json.dumps({"id": "p1", "token_ids": [7]}) + "\n")
     extra = ["--resume", "--batch_size=2", "--method=dflash", "--dtype=float32", "--mesh=expert=1", "--seed=3"]
     run_in_process(cli, *extra, "--temperature=0.7", "--max_new_tokens=5", "--ignore_eos")

@@ -77,10 +77,7 @@ def test_data_axis_splits_the_batch_and_tensor_the_heads() -> None:
     )
     split = memory.plan(target, dcfg, batch=2, layout=memory.Layout(tensor=2), **kw)
     assert split.target_cache == one.target_cache  # the latent is replicated over tensor
-    assert (
-        split.workspace["prefill"] < one.workspace["prefill"]
-        and split.workspace["round"] < one.workspace["round"]
-    )
+    assert split.workspace["prefill"] < one.workspace["prefill"] and split.workspace["round"] < one.workspace["round"]
 
 
 def test_workspace_terms() -> None:
@@ -129,14 +126,10 @@ def test_free_bytes_from_env_or_device(monkeypatch: pytest.MonkeyPatch) -> None:
         memory.device_free_bytes()
     monkeypatch.delenv(memory.FREE_BYTES_ENV)
     stats = {"bytes_limit": 1000, "bytes_in_use": 300}
-    devices = [
-        type("D", (), {"memory_stats": lambda self, s=s: s})() for s in (stats, stats | {"bytes_in_use": 500})
-    ]
+    devices = [type("D", (), {"memory_stats": lambda self, s=s: s})() for s in (stats, stats | {"bytes_in_use": 500})]
     monkeypatch.setattr(jax, "local_devices", lambda: devices)
     assert memory.device_free_bytes() == 500
-    monkeypatch.setattr(
-        jax, "local_devices", lambda: devices[:1] + [type("C", (), {"memory_stats": lambda s: None})()]
-    )
+    monkeypatch.setattr(jax, "local_devices", lambda: devices[:1] + [type("C", (), {"memory_stats": lambda s: None})()])
     assert memory.device_free_bytes() is None
 
 

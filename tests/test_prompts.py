@@ -134,9 +134,7 @@ def test_text_without_tokenizer(tmp_path: Path) -> None:
 def test_check_lengths() -> None:
     prompts = [Prompt("short", (1,) * 10, None), Prompt("long", (1,) * 20, None)]
     check_lengths(prompts[:1], max_new_tokens=5, context_limit=20, extra=5)  # 10 + 5 + 5 fits exactly
-    with pytest.raises(
-        UserError, match=r"prompt 'long': 20 prompt tokens \+ 5 new tokens \+ 1 draft slots = 26 "
-    ):
+    with pytest.raises(UserError, match=r"prompt 'long': 20 prompt tokens \+ 5 new tokens \+ 1 draft slots = 26 "):
         check_lengths(prompts, max_new_tokens=5, context_limit=25, extra=1)
 
 

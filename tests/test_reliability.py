@@ -62,9 +62,7 @@ class Run:
             "output": self.output,
         }
         args |= {"max_new_tokens": 6, "batch_size": 2, "dtype": "float32", "ignore_eos": True} | overrides
-        return [
-            f"--{k}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no'}{k}" for k, v in args.items()
-        ]
+        return [f"--{k}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no'}{k}" for k, v in args.items()]
 
     def in_process(self, capsys: pytest.CaptureFixture, **overrides: object) -> tuple[int, str]:
         """(exit code, stderr) of `cli_main(generate.main)` on these flags."""
@@ -133,12 +131,8 @@ def test_wrong_shape(run: Run, capsys: pytest.CaptureFixture) -> None:
 
 
 def test_wrong_dtype(run: Run, capsys: pytest.CaptureFixture) -> None:
-    rewrite_target(
-        run, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].astype(np.float32))
-    )
-    run.assert_user_error(
-        run.in_process(capsys), "tensor 'model.norm.weight' has dtype F32, expected bfloat16"
-    )
+    rewrite_target(run, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].astype(np.float32)))
+    run.assert_user_error(run.in_process(capsys), "tensor 'model.norm.weight' has dtype F32, expected bfloat16")
 
 
 def test_truncated_safetensors_through_the_entry_point(run: Run) -> None:

@@ -253,9 +253,7 @@ HYPO_SHAPES = [(1, 3, 4), (3, 2, 8), (4, 5, 12)]  # (D, V, budget): few shapes, 
     scale=st.sampled_from([0.0, 0.1, 1.0, 5.0]),
     quantum=st.sampled_from([0.0, 0.5]),
 )
-def test_tree_mask_walk_properties(
-    shape: tuple[int, int, int], seed: int, scale: float, quantum: float
-) -> None:
+def test_tree_mask_walk_properties(shape: tuple[int, int, int], seed: int, scale: float, quantum: float) -> None:
     n_depth, vocab, budget = shape
     rng = np.random.default_rng(seed)
     logits = rng.normal(size=(1, n_depth, vocab)) * scale
@@ -263,9 +261,7 @@ def test_tree_mask_walk_properties(
         logits = np.round(logits / quantum) * quantum
     post = rng.integers(0, vocab, (1, budget + 1)).astype(np.int32)  # small V: walks often descend
     root = jnp.asarray([seed % vocab], jnp.int32)
-    trees, vis, walk = _round_batch(
-        jnp.asarray(logits, jnp.float32), root, jnp.asarray(post), budget, n_depth
-    )
+    trees, vis, walk = _round_batch(jnp.asarray(logits, jnp.float32), root, jnp.asarray(post), budget, n_depth)
     tree, vis, post = unbatch(trees, 0), np.asarray(vis)[0], post[0]
     check_structure(tree, n_depth)
     assert tree.valid.sum() == 1 + min(budget, sum(min(budget, vocab) ** d for d in range(1, n_depth + 1)))
