@@ -238,6 +238,11 @@ def _finish_round(spec: GenSpec, s: LoopState, new_tokens, tau, bonus, cache, fi
 def ar_round(target: KimiForCausalLM, spec: GenSpec, s: LoopState) -> LoopState:
     """One autoregressive step for every row."""
     key, sub = jax.random.split(s.key)
+    with jax.named_scope("step"):
+        return _ar_step(target, spec, s, key, sub)
+
+
+def _ar_step(target: KimiForCausalLM, spec: GenSpec, s: LoopState, key: jax.Array, sub: jax.Array) -> LoopState:
     fwd = target(s.root[:, None], s.start[:, None], s.cache, s.start)
     logits = target.logits(fwd.hidden[:, 0])
     nxt = sample(logits, sub, spec.temperature)
@@ -326,13 +331,18 @@ def accept(
 
 
 def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s: LoopState) -> LoopState:
-    """draft -> tree -> verify -> walk -> commit + compact, for every row."""
+    """draft -> tree -> verify -> walk -> commit + compact, for every row (each under its `jax.named_scope`, so a
+    device profile can attribute every kernel: experiments/breakdown.py)."""
     key, sub = jax.random.split(s.key)
-    draft_logits, dcache = draft(target, drafter, s)
-    tree = build_trees(spec, draft_logits, s.root)
-    mask = tree_masks(drafter, tree)
-    fwd, post, finite = verify(target, drafter, spec, s, tree, mask, sub)
-    return accept(spec, s._replace(key=key, dcache=dcache), tree, mask, fwd.features, fwd.cache, post, finite)
+    with jax.named_scope("draft"):
+        draft_logits, dcache = draft(target, drafter, s)
+    with jax.named_scope("tree"):
+        tree = build_trees(spec, draft_logits, s.root)
+        mask = tree_masks(drafter, tree)
+    with jax.named_scope("verify"):
+        fwd, post, finite = verify(target, drafter, spec, s, tree, mask, sub)
+    with jax.named_scope("accept"):
+        return accept(spec, s._replace(key=key, dcache=dcache), tree, mask, fwd.features, fwd.cache, post, finite)
 
 
 def generate(
@@ -344,7 +354,8 @@ def generate(
     key: jax.Array,
 ) -> GenOut:
     """Prefill + rounds until every row hit max_new_tokens or a stop token. Pure; jit it (see `compile_generate`)."""
-    s = prefill(target, drafter, spec, prompts, prompt_len, key)
+    with jax.named_scope("prefill"):
+        s = prefill(target, drafter, spec, prompts, prompt_len, key)
 
     def body(st: LoopState) -> LoopState:
         if spec.method == "ar":

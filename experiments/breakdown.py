@@ -1,22 +1,27 @@
-"""Where the time of one round goes: draft / tree build / verify / accept, on the model pair after a real prefill.
+"""Where the time of one round goes, measured inside the real generation program: device time and kernel count of
+each piece (draft / tree build / verify / accept, or the AR step), the rest of the loop, and the idle time between
+kernels (launches, the loop's per-round predicate copy to the host).
 
     python -m experiments.breakdown [--budgets=8,16,32] [--concurrency=1] [--context=60]
 
-For AR (one step), the DFlash chain and DDTree at each budget: prefill `--concurrency` held-out prompts of
-`--context` tokens, run two rounds (so the drafter has pending target features, as mid-generation), then time each
-piece of the next round as its own jitted call (experiments/round_pieces.py; median of `--repeats`), their sum and
-the whole round as one jit. Pieces timed alone pay a dispatch each, so their sum slightly exceeds the whole round.
-Writes <out_dir>/breakdown.json and .md.
+Per method: `round_ms` = (wall(--max_new_tokens) - wall(1 token: prefill only)) / loop iterations, medians of
+--repeats runs of the compiled programs (all compiled up front on threads). Then one run under `jax.profiler`; its
+device events are joined with the program's HLO metadata (engine.py puts every piece in a `jax.named_scope`:
+experiments/device_profile.py) into `<piece>_ms` and `<piece>_kernels` per round; `other` = loop ops outside the
+pieces, `idle_ms` = round_ms - device-busy time. Prefill is excluded. On a CPU the per-op events of a multi-threaded
+runtime overlap, so only the GPU numbers add up. Writes <out_dir>/breakdown.json and .md.
 """
 
 from __future__ import annotations
 
-import jax
-import numpy as np
-from absl import app, flags
-from flax import nnx
+import os
+import statistics
+import tempfile
 
-from experiments import common, round_pieces, workload
+import jax
+from absl import app, flags
+
+from experiments import common, device_profile, workload
 from experiments.progress import Progress
 
 FLAGS = flags.FLAGS
@@ -27,33 +32,38 @@ flags.DEFINE_list("budgets", ["8", "16", "32"], "DDTree budgets")
 flags.DEFINE_list("methods", ["ar", "dflash", "ddtree"], "methods to break down")
 flags.DEFINE_integer("concurrency", 1, "batch rows")
 flags.DEFINE_integer("context", 60, "prompt tokens per row")
-flags.DEFINE_integer("repeats", 10, "timed calls per piece (median)")
+flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per row (stop tokens ignored)")
+flags.DEFINE_integer("repeats", 5, "timed runs per program (median)")
+flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling the programs up front")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
-COLUMNS = ["method", "budget", "concurrency", "context", *[f"{p}_ms" for p in round_pieces.PIECES]]
-COLUMNS += ["sum_of_pieces_ms", "round_ms", "ar_step_ms"]
+PIECES = ("draft", "tree", "verify", "accept", "step", "other")  # `step`: the AR round; `other`: loop ops outside
+SCOPES = ("prefill", *PIECES[:-1])
+COLUMNS = ["method", "budget", "concurrency", "context", "tokens_per_round", "round_ms"]
+COLUMNS += [f"{p}_ms" for p in PIECES] + ["idle_ms", "kernels_per_round"]
 
 
-def mid_generation_state(gen, spec, prompts: list[list[int]]):
-    """Prefill `prompts` (all of one length) and run two rounds -> the loop state."""
-    from ddtree_jax import engine
+def median_wall(gen, prompts, kw: dict) -> float:
+    return statistics.median(gen.generate(prompts, **kw).wall_s for _ in range(FLAGS.repeats))
 
-    target, drafter = gen.target, gen.drafter if spec.method != "ar" else None
-    tg, ts = nnx.split(target)
-    dg, ds = nnx.split(drafter) if drafter is not None else (None, None)
 
-    @jax.jit
-    def run(ts, ds, tokens, lens):
-        t, d = nnx.merge(tg, ts), (nnx.merge(dg, ds) if dg is not None else None)
-        s = engine.prefill(t, d, spec, tokens, lens, jax.random.key(0))
-        for _ in range(2):
-            s = engine.ar_round(t, spec, s) if d is None else engine.spec_round(t, d, spec, s)
-        return s
-
-    tokens = np.zeros((spec.batch, spec.prompt_len), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    return run(ts, ds, tokens, np.array([len(p) for p in prompts], np.int32))
+def profile_ops(gen, prompts, kw: dict, spec) -> dict[str, tuple[float, int]]:
+    """{scope: (device microseconds, kernels)} of one run of `spec`'s program under the profiler."""
+    (program, _, _), _ = gen.compiled(spec)
+    text = program.as_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        gen.generate(prompts, **kw)
+        jax.profiler.stop_trace()
+        events = device_profile.load_trace(tmp)
+    ops = device_profile.op_events(events, device_profile.module_name(text))
+    if not ops:
+        sample = next((e.get("args", {}) for e in events if e["process"].startswith("/device:")), {})
+        raise RuntimeError(
+            f"the profile holds no ops of the program; costliest device events "
+            f"{device_profile.top_device_events(events, 5)}, a device event's args {sample}"
+        )
+    return device_profile.per_scope(ops, device_profile.scope_of_ops(text, SCOPES))
 
 
 def main(_) -> None:
@@ -65,32 +75,46 @@ def main(_) -> None:
     depth = gen.drafter.config.num_draft
     runs = [("ar", 1), ("dflash", depth)] + [("ddtree", int(b)) for b in FLAGS.budgets]
     runs = [(m, b) for m, b in runs if m in FLAGS.methods]
+    kws = {
+        (m, b, n): {"method": m, "budget": b, "max_new_tokens": n, "ignore_eos": True}
+        for m, b in runs
+        for n in (1, FLAGS.max_new_tokens)
+    }
+    specs = {k: gen.spec(len(prompts), FLAGS.context, temperature=0.0, **kw) for k, kw in kws.items()}
+    print(f"compiled {len(specs)} programs in {gen.precompile(list(specs.values()), FLAGS.compile_workers):.1f}s")
     meta = common.metadata()
     records = []
     bar = Progress(len(runs), "breakdown")
     for method, budget in runs:
         bar.step(f"{method} b={budget}")
-        spec = gen.spec(
-            FLAGS.concurrency,
-            FLAGS.context,
-            method=method,
-            budget=budget,
-            temperature=0.0,
-            max_new_tokens=64,
-            ignore_eos=True,
-        )
-        s = mid_generation_state(gen, spec, prompts)
-        times, _ = round_pieces.time_round(gen.target, gen.drafter, spec, s, repeats=FLAGS.repeats)
+        full, prefill_only = kws[(method, budget, FLAGS.max_new_tokens)], kws[(method, budget, 1)]
+        first = gen.generate(prompts, **full)  # warm-up
+        gen.generate(prompts, **prefill_only)
+        iterations = max(st["rounds"] for st in first.stats)  # the loop runs until its slowest row is done
+        committed = sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
+        round_s = (median_wall(gen, prompts, full) - median_wall(gen, prompts, prefill_only)) / iterations
+        scopes = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
+        scopes.pop("prefill", None)
+        per_round = {p: scopes.get(p, (0.0, 0)) for p in PIECES}
+        busy_ms = sum(us for us, _ in per_round.values()) / 1e3 / iterations
         rec = {
             "method": method,
             "budget": budget,
             "concurrency": FLAGS.concurrency,
             "context": FLAGS.context,
+            "rounds": iterations,
+            "tokens_per_round": committed / sum(st["rounds"] for st in first.stats),
+            "round_ms": round_s * 1e3,
+            **{f"{p}_ms": us / 1e3 / iterations for p, (us, _) in per_round.items()},
+            **{f"{p}_kernels": n / iterations for p, (_, n) in per_round.items()},
+            "busy_ms": busy_ms,
+            "idle_ms": round_s * 1e3 - busy_ms,
+            "kernels_per_round": sum(n for _, n in per_round.values()) / iterations,
+            "max_new_tokens": FLAGS.max_new_tokens,
             "target": FLAGS.target,
             "drafter": FLAGS.drafter,
             "prompt_source": source,
             "repeats": FLAGS.repeats,
-            **{f"{k}_ms": v * 1e3 for k, v in times.items()},
             **meta,
         }
         records.append(rec)

@@ -34,7 +34,7 @@ SWEEP=(-m experiments.sweep --out_dir="$RES" --repeats="$REPEATS" --max_new_toke
 STAGES=${STAGES:-sweep breakdown bench_round context}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 want sweep && stage sweep "$SWEEP_S" "$PY" "${SWEEP[@]}" --axis=budget,concurrency --concurrency=1,8,32,64,128
-want breakdown && stage breakdown "$BREAKDOWN_S" "$PY" -m experiments.breakdown --out_dir="$RES" --budgets=8,16,32 --repeats=20
+want breakdown && stage breakdown "$BREAKDOWN_S" "$PY" -m experiments.breakdown --out_dir="$RES" --budgets=8,16,32 --repeats=5
 # Full-size Kimi K2.6 layers, random INT4 weights; stops starting new cells 30 s before its cap.
 want bench_round && stage bench_round "$BENCH_S" "$PY" -m experiments.bench_round --out_dir="$RES" --sweep_json="$RES/sweep_budget.json" \
   --budgets=8,16,32,64 --concurrency=1,8,32 --contexts=8192 --repeats=5 --time_limit_s=$((BENCH_S - 30))

@@ -82,16 +82,19 @@ def test_breakdown(tiny_pair, tmp_path):
         "breakdown",
         f"--target={target}",
         f"--drafter={drafter}",
-        "--methods=ddtree",
+        "--methods=ar,ddtree",
         "--budgets=4",
         "--repeats=1",
+        "--max_new_tokens=6",
+        "--compile_workers=2",
         f"--out_dir={tmp_path}",
     )
-    (rec,) = records(tmp_path / "breakdown.json")
-    assert all(rec[k] for k in META)
-    pieces = [rec[f"{p}_ms"] for p in ("draft", "tree", "verify", "accept")]
-    assert all(t > 0 for t in pieces) and rec["sum_of_pieces_ms"] == pytest.approx(sum(pieces))
-    assert rec["round_ms"] > 0
+    ar, dd = records(tmp_path / "breakdown.json")
+    assert all(dd[k] for k in META) and ar["round_ms"] > 0 and dd["round_ms"] > 0
+    # every kernel of a round lands in its own piece: the AR step has none of the speculative pieces and v.v.
+    assert ar["step_kernels"] > 0 and all(ar[f"{p}_kernels"] == 0 for p in ("draft", "tree", "verify", "accept"))
+    assert dd["step_kernels"] == 0 and all(dd[f"{p}_kernels"] > 0 for p in ("draft", "tree", "verify", "accept"))
+    assert dd["busy_ms"] == pytest.approx(sum(dd[f"{p}_ms"] for p in ("draft", "tree", "verify", "accept", "other")))
 
 
 def test_bench_round_tiny(tmp_path):

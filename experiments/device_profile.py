@@ -1,0 +1,98 @@
+"""Attribute the device time of one compiled program to the engine's named scopes, from a `jax.profiler` trace.
+
+The engine wraps each piece of a round in `jax.named_scope` (draft / tree / verify / accept; `step` for AR;
+`prefill`), which XLA keeps in every instruction's `metadata={op_name=".../verify/..."}`. A profile's device events
+name the instruction they ran (`args.hlo_op`), so joining the two gives device time and kernel count per scope.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import re
+from pathlib import Path
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name=\"([^\"]*)\"")
+
+
+def module_name(hlo_text: str) -> str:
+    """'HloModule jit_run, ...' -> 'jit_run'."""
+    m = re.match(r"\s*HloModule\s+([\w.\-]+)", hlo_text)
+    if m is None:
+        raise ValueError("not an HLO module dump")
+    return m.group(1)
+
+
+def scope_of_ops(hlo_text: str, scopes: tuple[str, ...]) -> dict[str, str]:
+    """{instruction name: first of `scopes` found in its op_name path, else 'other'} for every instruction of the
+    compiled module's text (`compiled.as_text()`)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            parts = m.group(2).split("/")
+            out[m.group(1)] = next((p for p in parts if p in scopes), "other")
+    return out
+
+
+def load_trace(trace_dir: str | Path) -> list[dict]:
+    """The complete ('X') events of the newest perfetto trace under `trace_dir`, with their process names."""
+    files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return [{**e, "process": procs.get(e.get("pid"), "")} for e in events if e.get("ph") == "X"]
+
+
+def op_events(events: list[dict], module: str) -> list[tuple[str, float]]:
+    """(instruction, microseconds) of every op of `module` that ran: the GPU's kernels when the trace has a
+    '/device:' process (a GPU run), else the CPU runtime's per-op events. Events that name no module are kept."""
+
+    def ours(e: dict) -> bool:
+        args = e.get("args", {})
+        return "hlo_op" in args and args.get("hlo_module", module) == module
+
+    device = [e for e in events if e["process"].startswith("/device:")]
+    picked = _leaves([e for e in (device or events) if ours(e)])
+    return [(e["args"]["hlo_op"], float(e["dur"])) for e in picked]
+
+
+def _leaves(events: list[dict]) -> list[dict]:
+    """Drop events that enclose another event of their thread (a CPU while-loop thunk around its body's ops), so
+    nothing is counted twice."""
+    by_thread: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    out = []
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        for e, nxt in zip(evs, evs[1:] + [None], strict=True):
+            if nxt is None or float(nxt["ts"]) >= float(e["ts"]) + float(e["dur"]):
+                out.append(e)
+    return out
+
+
+def top_device_events(events: list[dict], n: int = 15) -> list[tuple[str, float, int]]:
+    """(name, total microseconds, count) of the `n` costliest event names on '/device:' processes, whatever
+    their arguments: a fallback view when a trace's kernels carry no instruction names."""
+    acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e["process"].startswith("/device:"):
+            acc[e["name"]][0] += float(e["dur"])
+            acc[e["name"]][1] += 1
+    ranked = sorted(acc.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(k, v[0], int(v[1])) for k, v in ranked]
+
+
+def per_scope(ops: list[tuple[str, float]], scope_map: dict[str, str]) -> dict[str, tuple[float, int]]:
+    """{scope: (total microseconds, op count)}; ops missing from the module text count as 'other'."""
+    acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for name, us in ops:
+        slot = acc[scope_map.get(name, "other")]
+        slot[0] += us
+        slot[1] += 1
+    return {k: (v[0], int(v[1])) for k, v in acc.items()}
