@@ -47,8 +47,9 @@ def median_wall(gen, prompts, kw: dict) -> float:
     return statistics.median(gen.generate(prompts, **kw).wall_s for _ in range(FLAGS.repeats))
 
 
-def profile_ops(gen, prompts, kw: dict, spec) -> dict[str, tuple[float, int]]:
-    """{scope: (device microseconds, kernels)} of one run of `spec`'s program under the profiler."""
+def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, int]], list[str]]:
+    """({scope: (device microseconds, kernels)}, the most frequent ops no scope claimed) of one run of `spec`'s
+    program under the profiler."""
     (program, _, _), _ = gen.compiled(spec)
     text = program.as_text()
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,7 +64,8 @@ def profile_ops(gen, prompts, kw: dict, spec) -> dict[str, tuple[float, int]]:
             f"the profile holds no ops of the program; costliest device events "
             f"{device_profile.top_device_events(events, 5)}, a device event's args {sample}"
         )
-    return device_profile.per_scope(ops, device_profile.scope_of_ops(text, SCOPES))
+    scope_map = device_profile.scope_of_ops(text, SCOPES)
+    return device_profile.per_scope(ops, scope_map), device_profile.unattributed(ops, scope_map)
 
 
 def main(_) -> None:
@@ -93,7 +95,7 @@ def main(_) -> None:
         iterations = max(st["rounds"] for st in first.stats)  # the loop runs until its slowest row is done
         committed = sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
         round_s = (median_wall(gen, prompts, full) - median_wall(gen, prompts, prefill_only)) / iterations
-        scopes = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
+        scopes, misses = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
         scopes.pop("prefill", None)
         per_round = {p: scopes.get(p, (0.0, 0)) for p in PIECES}
         busy_ms = sum(us for us, _ in per_round.values()) / 1e3 / iterations
@@ -110,6 +112,7 @@ def main(_) -> None:
             "busy_ms": busy_ms,
             "idle_ms": round_s * 1e3 - busy_ms,
             "kernels_per_round": sum(n for _, n in per_round.values()) / iterations,
+            "unattributed_ops": misses,
             "max_new_tokens": FLAGS.max_new_tokens,
             "target": FLAGS.target,
             "drafter": FLAGS.drafter,

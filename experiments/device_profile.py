@@ -48,9 +48,9 @@ def load_trace(trace_dir: str | Path) -> list[dict]:
     return [{**e, "process": procs.get(e.get("pid"), "")} for e in events if e.get("ph") == "X"]
 
 
-def op_events(events: list[dict], module: str) -> list[tuple[str, float]]:
-    """(instruction, microseconds) of every op of `module` that ran: the GPU's kernels when the trace has a
-    '/device:' process (a GPU run), else the CPU runtime's per-op events. Events that name no module are kept."""
+def op_events(events: list[dict], module: str) -> list[tuple[str, str, float]]:
+    """(instruction, event name, microseconds) of every op of `module` that ran: the GPU's kernels when the trace
+    has a '/device:' process (a GPU run), else the CPU runtime's per-op events. Events naming no module are kept."""
 
     def ours(e: dict) -> bool:
         args = e.get("args", {})
@@ -58,7 +58,7 @@ def op_events(events: list[dict], module: str) -> list[tuple[str, float]]:
 
     device = [e for e in events if e["process"].startswith("/device:")]
     picked = _leaves([e for e in (device or events) if ours(e)])
-    return [(e["args"]["hlo_op"], float(e["dur"])) for e in picked]
+    return [(e["args"]["hlo_op"], e.get("name", ""), float(e["dur"])) for e in picked]
 
 
 def _leaves(events: list[dict]) -> list[dict]:
@@ -88,11 +88,27 @@ def top_device_events(events: list[dict], n: int = 15) -> list[tuple[str, float,
     return [(k, v[0], int(v[1])) for k, v in ranked]
 
 
-def per_scope(ops: list[tuple[str, float]], scope_map: dict[str, str]) -> dict[str, tuple[float, int]]:
-    """{scope: (total microseconds, op count)}; ops missing from the module text count as 'other'."""
+def _kernel_name(instruction: str) -> str:
+    """XLA GPU names a fusion's kernel after the instruction with '.' and '-' as '_' (fusion.3 -> fusion_3)."""
+    return re.sub(r"[.\-]", "_", instruction)
+
+
+def per_scope(ops: list[tuple[str, str, float]], scope_map: dict[str, str]) -> dict[str, tuple[float, int]]:
+    """{scope: (total microseconds, op count)}. An op is looked up by its instruction, then by its kernel name (a
+    kernel launched from a command buffer names the buffer as its instruction); unknown ops count as 'other'."""
+    by_kernel = {_kernel_name(k): v for k, v in scope_map.items()}
     acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for name, us in ops:
-        slot = acc[scope_map.get(name, "other")]
-        slot[0] += us
-        slot[1] += 1
+    for op, name, us in ops:
+        scope = scope_map.get(op) or by_kernel.get(_kernel_name(name)) or "other"
+        acc[scope][0] += us
+        acc[scope][1] += 1
     return {k: (v[0], int(v[1])) for k, v in acc.items()}
+
+
+def unattributed(ops: list[tuple[str, str, float]], scope_map: dict[str, str], n: int = 8) -> list[str]:
+    """The `n` most frequent 'instruction/kernel' pairs that `per_scope` could not place (for diagnosis)."""
+    by_kernel = {_kernel_name(k) for k in scope_map}
+    misses = collections.Counter(
+        f"{op}/{name}" for op, name, _ in ops if op not in scope_map and _kernel_name(name) not in by_kernel
+    )
+    return [f"{k} x{c}" for k, c in misses.most_common(n)]

@@ -54,10 +54,14 @@ def test_device_events_are_attributed_once(tmp_path):
         x(2, 70, 100, "fusion.3", module="jit_other"),  # another program
         x(2, 200, 100, "while.1"),  # encloses the next kernel on its stream: not counted
         x(2, 210, 4, "custom-call.7"),
+        {**x(2, 300, 2, "command_buffer"), "name": "fusion_3"},  # a kernel launched from a command buffer
+        x(2, 310, 1, "command_buffer"),
     ]
     (tmp_path / "p").mkdir()
     with gzip.open(tmp_path / "p" / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     ops = device_profile.op_events(device_profile.load_trace(tmp_path), "jit_run")
     per = device_profile.per_scope(ops, device_profile.scope_of_ops(HLO, ("prefill", "tree", "verify")))
-    assert per == {"tree": (15.0, 2), "verify": (34.0, 2), "other": (7.0, 1)}
+    assert per == {"tree": (17.0, 3), "verify": (34.0, 2), "other": (8.0, 2)}
+    scopes = device_profile.scope_of_ops(HLO, ("prefill", "tree", "verify"))
+    assert device_profile.unattributed(ops, scopes) == ["copy.1/copy.1 x1", "command_buffer/command_buffer x1"]
