@@ -293,6 +293,16 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
 
 def kernel_section(d: Path) -> list[str]:
     out = []
+    rank = sorted(d.glob("bench_rank*.md"))
+    for md in rank:
+        body = md.read_text().split("\n", 2)[-1]
+        out += [
+            f"## 8xH200 PROJECTION from one measured rank ({md.stem})",
+            "One rank's share of an 8-GPU K2.6 deployment measured on one H200, target share scaled to 61 layers, "
+            "plus a written communication model (bench_rank.py docstring); tau values are assumptions (the SGLang "
+            "team's K2.6 acceptance), not measurements of a real K2.6 drafter.",
+            body,
+        ]
     for name in ("bench_moe", "bench_mla"):
         md = d / f"{name}.md"
         if md.is_file():
