@@ -167,8 +167,18 @@ def breakdown_section(p: dict, d: Path) -> list[str]:
         main = max(share, key=share.get)
         out.append(
             f"For {top['method']} at budget {top['budget']} the largest part of the round is **{main}** "
-            f"({100 * share[main]:.0f}%), over {top['kernels_per_round']:.0f} kernels per round."
+            f"({100 * share[main]:.0f}%), over {top['kernels_per_round']:.0f} kernels per round. Kernels that XLA "
+            "launches from a command buffer (CUDA graph) carry the buffer's name, not their instruction's, and count "
+            "under `other` (the record's `unattributed_ops` lists them)."
         )
+        chain = next((r for r in recs if r["method"] == "dflash"), None)
+        for r in (r for r in recs if r["method"] == "ddtree" and chain is not None):
+            out.append(
+                f"DDTree b{r['budget']} vs the chain: +{r['round_ms'] - chain['round_ms']:.3f} ms per round, "
+                f"+{r['kernels_per_round'] - chain['kernels_per_round']:.0f} kernels, tree build "
+                f"{r['tree_ms']:.3f} ms of device time; tokens per round {r['tokens_per_round']:.2f} vs "
+                f"{chain['tokens_per_round']:.2f}."
+            )
     return out
 
 
@@ -219,6 +229,19 @@ def losses_section(sweeps: list[dict], bench: dict | None) -> list[str]:
         out.append(
             f"No measured cell has DDTree slower than AR; the smallest speedup is {worst['speedup']:.2f}x "
             f"(budget {worst['budget']}, concurrency {worst['concurrency']}, context {worst['context']})."
+        )
+    chain = {
+        (r["axis"], r["concurrency"], r["context"]): r for p in sweeps for r in p["records"] if r["method"] == "dflash"
+    }
+    versus = [(r, chain.get((r["axis"], r["concurrency"], r["context"]))) for r in tree]
+    versus = [(r, c) for r, c in versus if c is not None]
+    if versus:
+        slower = [(r, c) for r, c in versus if r["tokens_per_s"] < c["tokens_per_s"]]
+        out.append(
+            f"Against the DFlash chain DDTree is slower in {len(slower)} of {len(versus)} measured cells: its extra "
+            "acceptance (more tokens per round) does not repay the extra per-round work of building and verifying "
+            "the tree on this small pair, whose rounds are launch bound (see the breakdown's kernel counts and idle "
+            "time)."
         )
     conc = sorted((r for r in tree if r["axis"] == "concurrency"), key=lambda r: (r["budget"], r["concurrency"]))
     if conc:
