@@ -111,6 +111,13 @@ class Generator:
             stop_ids=() if ignore_eos else self.target.config.stop_token_ids,
         )
 
+    def spec_for(
+        self, prompts: Sequence[Sequence[int]], *, pad_batch_to: int | None = None, **settings
+    ) -> engine.GenSpec:
+        """The program `generate(prompts, pad_batch_to=..., **settings)` runs (settings: `spec`'s keywords), e.g.
+        to `precompile` it."""
+        return self.spec(max(len(prompts), pad_batch_to or 0), max(len(p) for p in prompts), **settings)
+
     def compiled(self, spec: engine.GenSpec):
         """The compiled program for `spec` and the seconds spent compiling it now (0 if cached)."""
         if spec in self._compiled:
@@ -149,18 +156,10 @@ class Generator:
         this batch size (extra rows repeat the last prompt and are dropped) so batches share one compilation."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        n = len(prompts)
-        batch = max(n, pad_batch_to or 0)
+        settings = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+        spec = self.spec_for(prompts, method=method, budget=budget, pad_batch_to=pad_batch_to, **settings)
+        n, batch = len(prompts), spec.batch
         rows = list(prompts) + [prompts[-1]] * (batch - n)
-        spec = self.spec(
-            batch,
-            max(len(p) for p in rows),
-            method=method,
-            budget=budget,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            ignore_eos=ignore_eos,
-        )
         (program, t_state, d_state), compile_s = self.compiled(spec)
         padded = np.zeros((batch, spec.prompt_len), np.int32)
         for i, p in enumerate(rows):

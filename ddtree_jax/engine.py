@@ -239,15 +239,11 @@ def ar_round(target: KimiForCausalLM, spec: GenSpec, s: LoopState) -> LoopState:
     """One autoregressive step for every row."""
     key, sub = jax.random.split(s.key)
     with jax.named_scope("step"):
-        return _ar_step(target, spec, s, key, sub)
-
-
-def _ar_step(target: KimiForCausalLM, spec: GenSpec, s: LoopState, key: jax.Array, sub: jax.Array) -> LoopState:
-    fwd = target(s.root[:, None], s.start[:, None], s.cache, s.start)
-    logits = target.logits(fwd.hidden[:, 0])
-    nxt = sample(logits, sub, spec.temperature)
-    tau = jnp.ones_like(nxt)
-    return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, _finite_rows(logits), key=key)
+        fwd = target(s.root[:, None], s.start[:, None], s.cache, s.start)
+        logits = target.logits(fwd.hidden[:, 0])
+        nxt = sample(logits, sub, spec.temperature)
+        tau = jnp.ones_like(nxt)
+        return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, _finite_rows(logits), key=key)
 
 
 def draft(target: KimiForCausalLM, drafter: DFlashDrafter, s: LoopState) -> tuple[jax.Array, DrafterCache]:

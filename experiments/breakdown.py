@@ -82,7 +82,7 @@ def main(_) -> None:
         for m, b in runs
         for n in (1, FLAGS.max_new_tokens)
     }
-    specs = {k: gen.spec(len(prompts), FLAGS.context, temperature=0.0, **kw) for k, kw in kws.items()}
+    specs = {k: gen.spec_for(prompts, temperature=0.0, **kw) for k, kw in kws.items()}
     print(f"compiled {len(specs)} programs in {gen.precompile(list(specs.values()), FLAGS.compile_workers):.1f}s")
     meta = common.metadata()
     records = []

@@ -149,11 +149,7 @@ def plan_axis(gen, axis: str, base: list[list[int]], depth: int) -> list[Group]:
 
 def group_specs(gen, group: Group) -> list:
     """The compiled programs a group runs (one per method and batch shape)."""
-    return [
-        gen.spec(len(b), max(map(len, b)), temperature=0.0, **_gen_kwargs(m, bud))
-        for m, bud in group.methods
-        for b in group.batches
-    ]
+    return [gen.spec_for(b, temperature=0.0, **_gen_kwargs(m, bud)) for m, bud in group.methods for b in group.batches]
 
 
 def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) -> list[dict]:
