@@ -26,6 +26,7 @@ from ddtree_jax import tree as ddtree
 from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache
 from ddtree_jax.models.kimi import ForwardOut, KimiForCausalLM, LatentCache
 from ddtree_jax.sampling import sample
+from pallas_kernels import dispatch
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -259,18 +260,29 @@ def draft(target: KimiForCausalLM, drafter: DFlashDrafter, s: LoopState) -> tupl
     return target.logits(hidden[:, 1:]) * c.output_multiplier, dcache
 
 
-def build_trees(spec: GenSpec, draft_logits: jax.Array, root: jax.Array) -> ddtree.Tree:
-    """Per-row tree from draft logits `[B, D, V]`: the greedy chain (dflash) or the best-`budget` tree (ddtree)."""
+def build_trees(
+    spec: GenSpec, drafter: DFlashDrafter, draft_logits: jax.Array, root: jax.Array
+) -> tuple[ddtree.Tree, jax.Array]:
+    """Per-row tree from draft logits `[B, D, V]` and its ancestor-or-self mask `[B, T, T]`: the greedy chain
+    (dflash) or the best-`budget` tree (ddtree; built by the one-launch Pallas kernel on GPU, see dispatch)."""
     if spec.method == "dflash":
-        return jax.vmap(ddtree.chain_tree)(draft_logits, root)
+        tree = jax.vmap(ddtree.chain_tree)(draft_logits, root)
+        return tree, _masks(tree, drafter.config.num_draft)
     # = ddtree.build_tree per row; vocab-parallel when the active mesh splits the lm_head vocabulary.
     lp_k, ids_k = sharding.topk_logsoftmax(draft_logits, min(spec.budget, draft_logits.shape[-1]))
-    return jax.vmap(lambda lp, ids, r: ddtree.build_tree_from_topk(lp, ids, r, spec.budget))(lp_k, ids_k, root)
+    *fields, mask = dispatch.build_tree(lp_k, ids_k, root, spec.budget, _reference_trees)
+    return ddtree.Tree(*fields), mask
 
 
-def tree_masks(drafter: DFlashDrafter, tree: ddtree.Tree) -> jax.Array:
-    """`[B, T, T]` ancestor-or-self masks of the batch's trees (depth bounded by the drafter's block)."""
-    return jax.vmap(lambda t: ddtree.ancestor_mask(t, drafter.config.num_draft))(tree)
+def _masks(tree: ddtree.Tree, max_depth: int) -> jax.Array:
+    """`[B, T, T]` ancestor-or-self masks of a batch of trees of depth <= max_depth."""
+    return jax.vmap(lambda t: ddtree.ancestor_mask(t, max_depth))(tree)
+
+
+def _reference_trees(lp_k: jax.Array, ids_k: jax.Array, root: jax.Array, budget: int):
+    """Plain-JAX `dispatch.build_tree`: the Tree fields `[B, T]` and masks `[B, T, T]`."""
+    tree = jax.vmap(lambda lp, ids, r: ddtree.build_tree_from_topk(lp, ids, r, budget))(lp_k, ids_k, root)
+    return (*tree, _masks(tree, lp_k.shape[1]))
 
 
 def verify(
@@ -282,7 +294,7 @@ def verify(
     mask: jax.Array,
     key: jax.Array,
 ) -> tuple[ForwardOut, jax.Array, jax.Array]:
-    """Target forward over the trees (mask `[B, T, T]` from `tree_masks`, positions start + depth), then one
+    """Target forward over the trees (mask `[B, T, T]` from `build_trees`, positions start + depth), then one
     target draw per node. Returns (forward, post `[B, T]`, finite `[B]`: every logit of the row was finite).
     """
     positions = s.start[:, None] + tree.depth
@@ -333,8 +345,7 @@ def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s
     with jax.named_scope("draft"):
         draft_logits, dcache = draft(target, drafter, s)
     with jax.named_scope("tree"):
-        tree = build_trees(spec, draft_logits, s.root)
-        mask = tree_masks(drafter, tree)
+        tree, mask = build_trees(spec, drafter, draft_logits, s.root)
     with jax.named_scope("verify"):
         fwd, post, finite = verify(target, drafter, spec, s, tree, mask, sub)
     with jax.named_scope("accept"):

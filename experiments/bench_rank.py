@@ -254,16 +254,6 @@ def time_rounds(step, state, warmup: int, steps: int):
     return (time.perf_counter() - t0) / steps, state
 
 
-def time_back_to_back(call, warmup: int, steps: int) -> float:
-    """Mean seconds per `call()` dispatched `steps` times without waiting in between, as `time_rounds` dispatches
-    rounds (a call timed alone would add a host round trip that the rounds do not pay)."""
-    for _ in range(max(warmup, 1)):
-        jax.block_until_ready(call())
-    t0 = time.perf_counter()
-    jax.block_until_ready([call() for _ in range(steps)])
-    return (time.perf_counter() - t0) / steps
-
-
 def measure(target: KimiForCausalLM, drafter: DFlashDrafter, budgets: list[int]) -> list[dict]:
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter)
@@ -293,11 +283,11 @@ def measure(target: KimiForCausalLM, drafter: DFlashDrafter, budgets: list[int])
             def draft_only(ts, ds, s, spec=spec):
                 t, dr = nnx.merge(tg, ts), nnx.merge(dg, ds)
                 logits, _ = engine.draft(t, dr, s)
-                return engine.build_trees(spec, logits, s.root).tokens
+                return engine.build_trees(spec, dr, logits, s.root)[0].tokens
 
             fn = jax.jit(draft_only)
             timed = functools.partial(fn, ts, ds, state)
-            rec["draft_tree_ms"] = 1e3 * time_back_to_back(timed, FLAGS.warmup, FLAGS.steps)
+            rec["draft_tree_ms"] = 1e3 * common.time_back_to_back(timed, FLAGS.warmup, FLAGS.steps)
         records.append(rec)
         logging.info("%s", rec)
     return records

@@ -59,6 +59,16 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10) -> flo
     return statistics.median(times)
 
 
+def time_back_to_back(call, warmup: int, steps: int) -> float:
+    """Mean seconds per `call()` dispatched `steps` times without waiting in between, as a program's rounds run (a
+    call timed alone would add a host round trip that the rounds do not pay)."""
+    for _ in range(max(warmup, 1)):
+        jax.block_until_ready(call())
+    t0 = time.perf_counter()
+    jax.block_until_ready([call() for _ in range(steps)])
+    return (time.perf_counter() - t0) / steps
+
+
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):

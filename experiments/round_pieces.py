@@ -71,8 +71,7 @@ def time_round(
     @jax.jit
     @merged
     def build(t, d, logits, root):
-        tree = engine.build_trees(spec, logits, root)
-        return tree, engine.tree_masks(d, tree)
+        return engine.build_trees(spec, d, logits, root)
 
     @functools.partial(jax.jit, donate_argnums=3)
     @merged

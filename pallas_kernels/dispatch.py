@@ -1,8 +1,9 @@
 """The one dispatch point between models and kernels.
 
-`moe_swiglu` and `mla_attention` pick the Pallas GPU kernel when running on a GPU and the plain-JAX reference
-elsewhere, or whatever `use_kernels(...)` / the DDTREE_KERNELS environment variable asks for
-("auto" | "reference" | "pallas"). Every choice is logged once per (op, implementation).
+`moe_swiglu`, `mla_attention` and `build_tree` pick the Pallas GPU kernel when running on a GPU and the plain-JAX
+reference elsewhere, or whatever `use_kernels(...)` / the DDTREE_KERNELS environment variable asks for
+("auto" | "reference" | "pallas" | "interpret": the Pallas kernels in interpret mode, to run the kernel path on a
+CPU). Every choice is logged once per (op, implementation).
 
 MLA attention has two Pallas kernels: the Pallas-Triton one (`mla_attention.py`, any head dim) and the Mosaic GPU
 one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim). `set_mla_backend` / DDTREE_MLA_KERNEL
@@ -20,9 +21,10 @@ from absl import logging
 
 from pallas_kernels import reference
 
-_MODES = ("auto", "reference", "pallas")
+_MODES = ("auto", "reference", "pallas", "interpret")
 _MLA_BACKENDS = ("triton", "mosaic")
 _mode = "auto"
+_op_modes: dict[str, str] = {}  # per-op overrides of _mode (`use_kernels(mode, op=...)`)
 _mla_backend = "triton"
 _logged: set[tuple[str, str]] = set()
 
@@ -35,15 +37,23 @@ def set_kernel_mode(mode: str) -> None:
 
 
 @contextlib.contextmanager
-def use_kernels(mode: str) -> Iterator[None]:
-    """Temporarily select the kernel implementation ("auto", "reference" or "pallas")."""
+def use_kernels(mode: str, op: str | None = None) -> Iterator[None]:
+    """Temporarily select the implementation (one of `_MODES`) of every op, or of `op` alone
+    ("moe_swiglu", "mla_attention", "build_tree"). The choice is made when a program is traced."""
     global _mode
-    old = _mode
-    set_kernel_mode(mode)
+    old, old_ops = _mode, dict(_op_modes)
+    if op is None:
+        set_kernel_mode(mode)
+    elif mode not in _MODES:
+        raise ValueError(f"kernel mode {mode!r} not one of {_MODES}")
+    else:
+        _op_modes[op] = mode
     try:
         yield
     finally:
         _mode = old
+        _op_modes.clear()
+        _op_modes.update(old_ops)
 
 
 def kernel_mode() -> str:
@@ -65,31 +75,46 @@ def _log_once(key: tuple[str, str], msg: str, *args) -> None:
 
 
 def _choose(op: str, available: bool) -> str:
-    if _mode == "reference":
-        impl = "reference"
-    elif _mode == "pallas":
+    """ "pallas", "interpret" (the Pallas kernel in interpret mode) or "reference" for `op` under the current mode."""
+    mode = _op_modes.get(op, _mode)
+    if mode in ("reference", "interpret"):
+        impl = mode
+    elif mode == "pallas":
         if not available:
             raise RuntimeError(f"{op}: the Pallas kernel was requested but is not available on this build/device")
         impl = "pallas"
     else:
         impl = "pallas" if available and jax.default_backend() == "gpu" else "reference"
     backend = jax.default_backend()
-    _log_once((op, impl), "%s: using the %s implementation (mode=%s, backend=%s)", op, impl, _mode, backend)
+    _log_once((op, impl), "%s: using the %s implementation (mode=%s, backend=%s)", op, impl, mode, backend)
     return impl
 
 
 def moe_swiglu(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s):
     """Routed-expert SwiGLU; see `reference.moe_swiglu_reference` for shapes and semantics."""
-    if _choose("moe_swiglu", _moe_kernel() is not None) == "pallas":
-        return _moe_kernel()(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s)
+    if (impl := _choose("moe_swiglu", _moe_kernel() is not None)) != "reference":
+        return _moe_kernel()(
+            x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s, interpret=impl == "interpret"
+        )
     return reference.moe_swiglu_reference(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s)
 
 
 def mla_attention(q, latent_cache, prefix_len, tree_mask, scale, value_dim=512):
     """Absorbed MLA attention; see `reference.mla_attention_reference` for shapes and semantics."""
-    if _choose("mla_attention", _mla_kernel() is not None) == "pallas":
-        return mla_kernel_for(q, latent_cache, value_dim)(q, latent_cache, prefix_len, tree_mask, scale, value_dim)
+    if (impl := _choose("mla_attention", _mla_kernel() is not None)) != "reference":
+        kernel = mla_kernel_for(q, latent_cache, value_dim)
+        return kernel(q, latent_cache, prefix_len, tree_mask, scale, value_dim, interpret=impl == "interpret")
     return reference.mla_attention_reference(q, latent_cache, prefix_len, tree_mask, scale, value_dim)
+
+
+def build_tree(lp_k, ids_k, root, budget: int, reference):
+    """DDTree + ancestor mask from per-depth top-K (lp_k, ids_k `[B, D, K]`, root `[B]`): the one-launch Pallas kernel
+    (`tree_build.build_tree_pallas`, same returns) or `reference(lp_k, ids_k, root, budget)`, the plain-JAX build."""
+    if (impl := _choose("build_tree", True)) != "reference":
+        from pallas_kernels.tree_build import build_tree_pallas
+
+        return build_tree_pallas(lp_k, ids_k, root, budget, interpret=impl == "interpret")
+    return reference(lp_k, ids_k, root, budget)
 
 
 def _moe_kernel():

@@ -97,6 +97,28 @@ def test_breakdown(tiny_pair, tmp_path):
     assert dd["busy_ms"] == pytest.approx(sum(dd[f"{p}_ms"] for p in ("draft", "tree", "verify", "accept", "other")))
 
 
+def test_bench_tree_build(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    run(
+        "bench_tree_build",
+        f"--target={target}",
+        f"--drafter={drafter}",
+        "--budgets=4",
+        "--batches=2",
+        "--e2e_budgets=4",
+        "--steps=2",
+        "--repeats=1",
+        "--max_new_tokens=12",
+        "--kernel_mode=interpret",
+        f"--out_dir={tmp_path}",
+    )
+    build, ar, chain, tree = records(tmp_path / "bench_tree_build.json")
+    assert (build["part"], build["budget"], build["batch"]) == ("build", 4, 2) and build["identical"] is True
+    assert [r["method"] for r in (ar, chain, tree)] == ["ar", "dflash", "ddtree"]
+    assert all(r["identical"] is True and r["pallas"] > 0 and r["reference"] > 0 for r in (ar, chain, tree))
+    assert tree["tokens_per_round"] >= 1 and tree["vs_chain"] > 0
+
+
 def test_bench_round_tiny(tmp_path):
     sweep = tmp_path / "sweep_budget.json"
     sweep.write_text(
