@@ -8,8 +8,9 @@ Per method: `round_ms` = (wall(--max_new_tokens) - wall(1 token: prefill only)) 
 --repeats runs of the compiled programs (all compiled up front on threads). Then one run under `jax.profiler`; its
 device events are joined with the program's HLO metadata (engine.py puts every piece in a `jax.named_scope`:
 experiments/device_profile.py) into `<piece>_ms` and `<piece>_kernels` per round; `other` = loop ops outside the
-pieces, `idle_ms` = round_ms - device-busy time. Prefill is excluded. On a CPU the per-op events of a multi-threaded
-runtime overlap, so only the GPU numbers add up. Writes <out_dir>/breakdown.json and .md.
+pieces, `idle_ms` = round_ms - device-busy time; `top_kernels`: the costliest kernels as [scope:kernel, microseconds
+per round, launches per round]. Prefill is excluded. On a CPU the per-op events of a multi-threaded runtime overlap,
+so only the GPU numbers add up. Writes <out_dir>/breakdown.json and .md.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def median_wall(gen, prompts, kw: dict) -> float:
     return statistics.median(gen.generate(prompts, **kw).wall_s for _ in range(FLAGS.repeats))
 
 
-def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, int]], list[str]]:
-    """({scope: (device microseconds, kernels)}, the most frequent ops no scope claimed) of one run of `spec`'s
-    program under the profiler."""
+def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, int]], list[str], list]:
+    """({scope: (device microseconds, kernels)}, the most frequent ops no scope claimed, the costliest kernels
+    `device_profile.costliest`) of one run of `spec`'s program under the profiler."""
     (program, _, _), _ = gen.compiled(spec)
     text = program.as_text()
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +66,11 @@ def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, in
             f"{device_profile.top_device_events(events, 5)}, a device event's args {sample}"
         )
     scope_map = device_profile.scope_of_ops(text, SCOPES)
-    return device_profile.per_scope(ops, scope_map), device_profile.unattributed(ops, scope_map)
+    return (
+        device_profile.per_scope(ops, scope_map),
+        device_profile.unattributed(ops, scope_map),
+        device_profile.costliest(ops, scope_map),
+    )
 
 
 def main(_) -> None:
@@ -95,7 +100,7 @@ def main(_) -> None:
         iterations = max(st["rounds"] for st in first.stats)  # the loop runs until its slowest row is done
         committed = sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
         round_s = (median_wall(gen, prompts, full) - median_wall(gen, prompts, prefill_only)) / iterations
-        scopes, misses = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
+        scopes, misses, top = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
         scopes.pop("prefill", None)
         per_round = {p: scopes.get(p, (0.0, 0)) for p in PIECES}
         busy_ms = sum(us for us, _ in per_round.values()) / 1e3 / iterations
@@ -113,6 +118,7 @@ def main(_) -> None:
             "idle_ms": round_s * 1e3 - busy_ms,
             "kernels_per_round": sum(n for _, n in per_round.values()) / iterations,
             "unattributed_ops": misses,
+            "top_kernels": [[name, us / iterations, n / iterations] for name, us, n in top],  # per round
             "max_new_tokens": FLAGS.max_new_tokens,
             "target": FLAGS.target,
             "drafter": FLAGS.drafter,

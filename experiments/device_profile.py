@@ -96,12 +96,27 @@ def _kernel_name(instruction: str) -> str:
 def per_scope(ops: list[tuple[str, str, float]], scope_map: dict[str, str]) -> dict[str, tuple[float, int]]:
     """{scope: (total microseconds, op count)}. An op is looked up by its instruction, then by its kernel name (a
     kernel launched from a command buffer names the buffer as its instruction); unknown ops count as 'other'."""
+    return _totals((scope, us) for scope, _, us in _scoped(ops, scope_map))
+
+
+def costliest(ops: list[tuple[str, str, float]], scope_map: dict[str, str], n: int = 12) -> list[tuple[str, float, int]]:
+    """The `n` kernels of the most device time outside prefill: ("scope:kernel", total microseconds, count)."""
+    totals = _totals((f"{scope}:{name}", us) for scope, name, us in _scoped(ops, scope_map) if scope != "prefill")
+    return [(k, us, c) for k, (us, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]]
+
+
+def _scoped(ops: list[tuple[str, str, float]], scope_map: dict[str, str]):
+    """(scope, kernel name, microseconds) per op, placed as `per_scope` says."""
     by_kernel = {_kernel_name(k): v for k, v in scope_map.items()}
-    acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for op, name, us in ops:
-        scope = scope_map.get(op) or by_kernel.get(_kernel_name(name)) or "other"
-        acc[scope][0] += us
-        acc[scope][1] += 1
+        yield scope_map.get(op) or by_kernel.get(_kernel_name(name)) or "other", name, us
+
+
+def _totals(pairs) -> dict[str, tuple[float, int]]:
+    acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for key, us in pairs:
+        acc[key][0] += us
+        acc[key][1] += 1
     return {k: (v[0], int(v[1])) for k, v in acc.items()}
 
 

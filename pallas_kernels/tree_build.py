@@ -109,14 +109,27 @@ def _kernel(lp_ref, ids_ref, root_ref, tok_ref, par_ref, dep_ref, val_ref, score
     mask_ref[...] = anc
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "interpret"))
+def default_warps(tp: int) -> int:
+    """Warps per program for Tp node slots: one warp keeps every pop's reductions inside the warp; the `[Tp, Tp]` mask
+    needs more threads once it would not fit one warp's registers."""
+    return 1 if tp <= 32 else tp * tp // 1024
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "interpret", "num_warps"))
 def build_tree_pallas(
-    lp_k: jax.Array, ids_k: jax.Array, root: jax.Array, budget: int, *, interpret: bool = False
+    lp_k: jax.Array,
+    ids_k: jax.Array,
+    root: jax.Array,
+    budget: int,
+    *,
+    interpret: bool = False,
+    num_warps: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Batched DDTree from per-depth top-K log-probs lp_k `[B, D, K]` (rows sorted descending) and ids_k `[B, D, K]`.
 
     Returns tokens, parents, depth `[B, T]` int32, valid `[B, T]` bool, score `[B, T]` f32 (the fields of
-    `ddtree_jax.tree.Tree`, T = budget + 1) and the ancestor-or-self mask `[B, T, T]` bool. `budget` is static.
+    `ddtree_jax.tree.Tree`, T = budget + 1) and the ancestor-or-self mask `[B, T, T]` bool. `budget` is static;
+    num_warps None: `default_warps`.
     """
     b, n_depth, k = lp_k.shape
     t = budget + 1
@@ -136,7 +149,7 @@ def build_tree_pallas(
         ],
         out_specs=[vec_spec] * 5 + [pl.BlockSpec((None, tp, tp), lambda i: (i, 0, 0))],
         out_shape=[vec(jnp.int32)] * 4 + [vec(jnp.float32), jax.ShapeDtypeStruct((b, tp, tp), jnp.int32)],
-        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or default_warps(tp), num_stages=1),
         interpret=interpret,
         name="ddtree_build",
     )(lp, ids, root.astype(jnp.int32))

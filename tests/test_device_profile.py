@@ -65,3 +65,5 @@ def test_device_events_are_attributed_once(tmp_path):
     assert per == {"tree": (17.0, 3), "verify": (34.0, 2), "other": (8.0, 2)}
     scopes = device_profile.scope_of_ops(HLO, ("prefill", "tree", "verify"))
     assert device_profile.unattributed(ops, scopes) == ["copy.1/copy.1 x1", "command_buffer/command_buffer x1"]
+    top = device_profile.costliest(ops, scopes, n=3)
+    assert top == [("verify:custom-call.7", 34.0, 2), ("tree:fusion.3", 15.0, 2), ("other:copy.1", 7.0, 1)]
