@@ -3,10 +3,12 @@
     python -m experiments.bench_tree_build [--budgets=4,8,16,32,64] [--batches=1,8,32] [--e2e_budgets=8,16,32]
 
 Part 1, `build`: top-K + tree + ancestor mask from random draft logits `[B, D, V]` (the shipped drafter's D and
-vocabulary), each implementation jitted alone and dispatched back to back (so no host round trip per call), plus
-whether the two return identical trees and masks. Part 2, `e2e`: generation on the shipped pair at concurrency 1
+vocabulary), each implementation timed as --steps dependent builds inside one program (so dispatch is not counted),
+plus whether the two return identical trees and masks. Part 2, `e2e`: generation on the shipped pair at concurrency 1
 with each build (two Generators, programs compiled up front, timed runs alternating between them), with AR and the
 DFlash chain of the same run for reference: tokens/s, tokens/round and whether the outputs are identical.
+Part 0, `warps` (bench_tree_warps.json): the kernel alone at each num_warps, which picks `default_warps`; with
+--topk_vocabs, `bench_topk.json`: exact top-k variants of the draft distribution (lax.top_k, a full sort, top-32 cut).
 Writes <out_dir>/bench_tree_build.json and .md.
 """
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from jax.experimental.pallas import next_power_of_2 as pl_next_pow2
 
 from experiments import common, workload
 from experiments.progress import Progress
@@ -30,7 +33,9 @@ flags.DEFINE_string("prompts", str(workload.DEMO_PROMPTS), "held-out prompts (JS
 flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64"], "budgets of the isolated build")
 flags.DEFINE_list("batches", ["1", "8", "32"], "batch rows of the isolated build")
 flags.DEFINE_list("e2e_budgets", ["8", "16", "32"], "DDTree budgets of the generation A/B (empty: skip it)")
-flags.DEFINE_integer("steps", 200, "back-to-back calls per isolated timing")
+flags.DEFINE_integer("steps", 50, "builds per timed program (isolated timings)")
+flags.DEFINE_list("warps", ["1", "2", "4", "8"], "num_warps of the kernel-alone timing (empty: skip it)")
+flags.DEFINE_list("topk_vocabs", [], "vocabularies of the top-k timing, e.g. 4096,163840 (empty: skip it)")
 flags.DEFINE_integer("repeats", 5, "timed generations per program (median)")
 flags.DEFINE_integer("context", 60, "prompt tokens (generation A/B)")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens per row (generation A/B; stop tokens ignored)")
@@ -50,8 +55,64 @@ def _using(impl: str):
 COLUMNS = ["part", "method", "budget", "batch", "pallas", "reference", "speedup", "identical", "unit"]
 
 
+def per_call_us(fn, logits: jax.Array, root: jax.Array, n: int) -> float:
+    """Microseconds of `fn(logits, root)` as one of `n` dependent calls inside one program (a scan): device time and
+    the loop's own overhead, no dispatch or host round trip. Median of 7 runs of the program."""
+
+    def many(lg, r):
+        def body(c, _):
+            out = jax.tree.leaves(fn(lg + c, r))
+            return sum(x.reshape(-1)[0].astype(jnp.float32) for x in out) * 0.0, None
+
+        return jax.lax.scan(body, jnp.float32(0), None, length=n)[0]
+
+    program = jax.jit(many)
+    return 1e6 * common.time_fn(lambda: program(logits, root), warmup=2, repeats=7) / n
+
+
+def _top_k_sorted(lp: jax.Array, k: int):
+    """Exact top-k by a stable sort of the whole row (ties: lower index first, as lax.top_k)."""
+    idx = jax.lax.broadcasted_iota(jnp.int32, lp.shape, lp.ndim - 1)
+    neg, ids = jax.lax.sort((-lp, idx), dimension=lp.ndim - 1, num_keys=1, is_stable=True)
+    return -neg[..., :k], ids[..., :k]
+
+
+def _top_k_wide(lp: jax.Array, k: int):
+    """lax.top_k at k' = max(k, 32), cut to k (same result: a prefix of the sorted top-k')."""
+    v, i = jax.lax.top_k(lp, max(k, 32))
+    return v[..., :k], i[..., :k]
+
+
+TOPK = {"top_k": jax.lax.top_k, "sort": _top_k_sorted, "top_k_32_cut": _top_k_wide}
+
+
+def topk_records(depth: int, vocabs: list[int], meta: dict) -> list[dict]:
+    """Each exact top-k of log_softmax(logits `[B, D, V]`) at k in {8, 16, 32}: us per call inside a program, and
+    whether it equals lax.top_k."""
+    records = []
+    for vocab in vocabs:
+        for batch in (int(n) for n in FLAGS.batches):
+            logits, root = _inputs(batch, depth, vocab, vocab + batch)
+            for k in (8, 16, 32):
+                want = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+                for name, top in TOPK.items():
+                    fn = lambda lg, r, top=top, k=k: top(jax.nn.log_softmax(lg, axis=-1), k)
+                    got = jax.jit(fn)(logits, root)
+                    same = all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+                    us = per_call_us(fn, logits, root, FLAGS.steps)
+                    records.append(
+                        {"vocab": vocab, "batch": batch, "k": k, "method": name, "us": us, "identical": same, **meta}
+                    )
+    return records
+
+
+def _inputs(batch: int, depth: int, vocab: int, seed: int) -> tuple[jax.Array, jax.Array]:
+    logits = 3.0 * jax.random.normal(jax.random.key(seed), (batch, depth, vocab), jnp.float32)
+    return logits, jnp.arange(batch, dtype=jnp.int32)
+
+
 def build_records(gen, meta: dict) -> list[dict]:
-    """Isolated top-K + build + mask: ms per call for each implementation at every (budget, batch)."""
+    """top-K + build + mask inside a program: us per build for each implementation at every (budget, batch)."""
     from ddtree_jax import engine
 
     d, vocab = gen.drafter.config.num_draft, gen.target_config.vocab_size
@@ -59,19 +120,38 @@ def build_records(gen, meta: dict) -> list[dict]:
     records, bar = [], Progress(len(cells), "build")
     for budget, batch in cells:
         bar.step(f"b={budget} B={batch}")
-        key = jax.random.key(budget * 1000 + batch)
-        logits = 3.0 * jax.random.normal(key, (batch, d, vocab), jnp.float32)
-        root = jnp.arange(batch, dtype=jnp.int32)
+        logits, root = _inputs(batch, d, vocab, budget * 1000 + batch)
         spec = engine.GenSpec("ddtree", batch, 1, 1, budget=budget)
-        ms, outs = {}, {}
+        us, outs = {}, {}
         for impl in IMPLS:
             with _using(impl):
-                fn = jax.jit(lambda lg, r, spec=spec: engine.build_trees(spec, gen.drafter, lg, r))
-                outs[impl] = jax.block_until_ready(fn(logits, root))
-            ms[impl] = 1e3 * common.time_back_to_back(lambda fn=fn, lg=logits, r=root: fn(lg, r), 3, FLAGS.steps)
+                fn = lambda lg, r, spec=spec: engine.build_trees(spec, gen.drafter, lg, r)
+                outs[impl] = jax.block_until_ready(jax.jit(fn)(logits, root))
+                us[impl] = per_call_us(fn, logits, root, FLAGS.steps)
         same = all(np.array_equal(a, b) for a, b in zip(*(jax.tree.leaves(outs[i]) for i in IMPLS), strict=True))
-        records.append(_record("build", "ddtree", budget, batch, ms, same, "ms/call", meta))
+        records.append(_record("build", "ddtree", budget, batch, us, same, "us/build", meta))
     bar.done()
+    return records
+
+
+def warps_records(gen, meta: dict) -> list[dict]:
+    """The kernel alone (batch 1, inputs already top-K) at each --warps: us per build, and which is the default."""
+    from pallas_kernels import tree_build
+
+    d, vocab = gen.drafter.config.num_draft, gen.target_config.vocab_size
+    records = []
+    for budget in (int(b) for b in FLAGS.budgets):
+        logits, root = _inputs(1, d, vocab, budget)
+        lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), min(budget, vocab))
+        default = tree_build.default_warps(pl_next_pow2(budget + 1))
+        for warps in (int(w) for w in FLAGS.warps):
+            fn = lambda x, r, w=warps, b=budget, ids=ids: tree_build.build_tree_pallas(
+                x, ids, r, b, num_warps=w, interpret=FLAGS.kernel_mode == "interpret"
+            )
+            us = per_call_us(fn, lp, root, FLAGS.steps)
+            records.append(
+                {"budget": budget, "num_warps": warps, "default": warps == default, "us_per_build": us, **meta}
+            )
     return records
 
 
@@ -122,7 +202,7 @@ def e2e_records(meta: dict) -> list[dict]:
 def _record(part, method, budget, batch, values: dict, identical: bool, unit: str, meta: dict) -> dict:
     """speedup: how many times better the Pallas build is (time ratio for ms, rate ratio for tok/s)."""
     p, r = values["pallas"], values["reference"]
-    speedup = r / p if unit.startswith("ms") else p / r
+    speedup = p / r if unit == "tok/s" else r / p
     return {
         "part": part,
         "method": method,
@@ -145,7 +225,18 @@ def main(_) -> None:
     from ddtree_jax.api import Generator
 
     meta = common.metadata()
-    records = build_records(Generator.load(FLAGS.target, FLAGS.drafter), meta)
+    gen = Generator.load(FLAGS.target, FLAGS.drafter)
+    if FLAGS.warps:
+        warps = warps_records(gen, meta)
+        common.write_results(
+            "bench_tree_warps", warps, ["budget", "num_warps", "default", "us_per_build"], FLAGS.out_dir or None
+        )
+    if FLAGS.topk_vocabs:
+        topk = topk_records(gen.drafter.config.num_draft, [int(v) for v in FLAGS.topk_vocabs], meta)
+        common.write_results(
+            "bench_topk", topk, ["vocab", "batch", "k", "method", "us", "identical"], FLAGS.out_dir or None
+        )
+    records = build_records(gen, meta)
     common.write_results("bench_tree_build", records, COLUMNS, FLAGS.out_dir or None)
     if FLAGS.e2e_budgets:
         records += e2e_records(meta)

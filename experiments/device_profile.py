@@ -99,7 +99,9 @@ def per_scope(ops: list[tuple[str, str, float]], scope_map: dict[str, str]) -> d
     return _totals((scope, us) for scope, _, us in _scoped(ops, scope_map))
 
 
-def costliest(ops: list[tuple[str, str, float]], scope_map: dict[str, str], n: int = 12) -> list[tuple[str, float, int]]:
+def costliest(
+    ops: list[tuple[str, str, float]], scope_map: dict[str, str], n: int = 12
+) -> list[tuple[str, float, int]]:
     """The `n` kernels of the most device time outside prefill: ("scope:kernel", total microseconds, count)."""
     totals = _totals((f"{scope}:{name}", us) for scope, name, us in _scoped(ops, scope_map) if scope != "prefill")
     return [(k, us, c) for k, (us, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]]

@@ -110,9 +110,11 @@ def _kernel(lp_ref, ids_ref, root_ref, tok_ref, par_ref, dep_ref, val_ref, score
 
 
 def default_warps(tp: int) -> int:
-    """Warps per program for Tp node slots: one warp keeps every pop's reductions inside the warp; the `[Tp, Tp]` mask
-    needs more threads once it would not fit one warp's registers."""
-    return 1 if tp <= 32 else tp * tp // 1024
+    """Warps per program for Tp node slots. One warp keeps each pop's reductions inside the warp (fastest up to
+    Tp = 64); at Tp = 128 the `[Tp, Tp]` mask no longer fits one warp's registers. H200, one program, us per build
+    (scratch timing at commit 521a99d): Tp 64: 40 at 1 warp, 55-84 at 2-16; Tp 128: 1165 / 254 / 130 / 154 / 225 at
+    1 / 2 / 4 / 8 / 16 warps."""
+    return 1 if tp <= 64 else 4
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "interpret", "num_warps"))
