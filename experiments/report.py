@@ -171,6 +171,14 @@ def breakdown_section(p: dict, d: Path) -> list[str]:
             "launches from a command buffer (CUDA graph) carry the buffer's name, not their instruction's, and count "
             "under `other` (the record's `unattributed_ops` lists them)."
         )
+        tops = [
+            {"method": r["method"], "budget": r["budget"], "kernel": name, "us_per_round": us, "launches": n}
+            for r in recs
+            for name, us, n in r.get("top_kernels", [])[:4]
+        ]
+        if tops:
+            out += ["The four costliest kernels of each round (scope:kernel, device us and launches per round):"]
+            out.append(common.markdown_table(tops, ["method", "budget", "kernel", "us_per_round", "launches"]))
         chain = next((r for r in recs if r["method"] == "dflash"), None)
         for r in (r for r in recs if r["method"] == "ddtree" and chain is not None):
             out.append(
@@ -326,7 +334,7 @@ def kernel_section(d: Path) -> list[str]:
             "team's K2.6 acceptance), not measurements of a real K2.6 drafter.",
             body,
         ]
-    for name in ("bench_moe", "bench_mla"):
+    for name in ("bench_moe", "bench_mla", "bench_tree_build", "bench_tree_warps", "bench_topk"):
         md = d / f"{name}.md"
         if md.is_file():
             body = md.read_text().split("\n", 2)[-1]
