@@ -234,11 +234,26 @@ def mla_attention(q, latent_cache, prefix_len, tree_mask, scale: float, value_di
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------
 
 
+_WIDE_K = 32
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` over the last axis (descending; ties to the lower index), with 8 < k < 32 run as a top-32 cut to k:
+    the same result, since both keep the sorted order. XLA sends k <= 16 to its GPU TopK kernel, which took 46 us
+    per DDTree round at k = 16 over `[7, 4096]` on an H200 (the `Run<16ul, float, ...>` kernel in the breakdown at
+    521a99d) while k = 32 did not show among the round's costliest kernels; `experiments.bench_tree_build
+    --topk_vocabs` times the variants."""
+    if 8 < k < _WIDE_K <= x.shape[-1]:
+        values, ids = jax.lax.top_k(x, _WIDE_K)
+        return values[..., :k], ids[..., :k]
+    return jax.lax.top_k(x, k)
+
+
 def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """logits `[B, D, V]` -> (log-probs `[B, D, k]` f32 sorted descending, token ids `[B, D, k]` int32) of
     log_softmax(logits) at temperature 1; ties go to the lower token id, as `lax.top_k` does.
 
-    Without an active mesh (or with tensor=1) this is `lax.top_k(log_softmax(logits))`. With the vocabulary
+    Without an active mesh (or with tensor=1) this is `top_k(log_softmax(logits))`. With the vocabulary
     split over `tensor` it never gathers `[B, D, V]`: each shard computes its local log-Z `[B, D]`; an
     all-gather of those gives the global log-Z (logsumexp of the local ones); each shard takes its local top-k
     of the log-probs; an all-gather of the `[B, D, tensor*k]` candidates and a global top-k finish.
@@ -246,7 +261,7 @@ def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     mesh = _active
     vocab_axes = LOGICAL_AXES["vocab"]
     if mesh is None or _axis_size(mesh, vocab_axes) == 1:
-        lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+        lp, ids = top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
         return lp, ids.astype(jnp.int32)
     v_local = logits.shape[-1] // _axis_size(mesh, vocab_axes)
     k_local = min(k, v_local)  # every global top-k entry is in its shard's top-k_local
@@ -255,12 +270,12 @@ def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         lg = lg.astype(jnp.float32)
         log_z_local = jax.nn.logsumexp(lg, axis=-1)  # [b, D]
         log_z = jax.nn.logsumexp(jax.lax.all_gather(log_z_local, vocab_axes, axis=-1), axis=-1)
-        lp, ids = jax.lax.top_k(lg - log_z[..., None], k_local)
+        lp, ids = top_k(lg - log_z[..., None], k_local)
         ids = ids.astype(jnp.int32) + jax.lax.axis_index(vocab_axes) * v_local
         # Shard-major candidate order = ascending token id among equal log-probs, so top_k keeps the tie rule.
         lp_all = jax.lax.all_gather(lp, vocab_axes, axis=-1, tiled=True)
         ids_all = jax.lax.all_gather(ids, vocab_axes, axis=-1, tiled=True)
-        best, pos = jax.lax.top_k(lp_all, k)
+        best, pos = top_k(lp_all, k)
         return best, jnp.take_along_axis(ids_all, pos, axis=-1)
 
     batch = PartitionSpec(LOGICAL_AXES["batch"])

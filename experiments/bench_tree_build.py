@@ -2,13 +2,14 @@
 
     python -m experiments.bench_tree_build [--budgets=4,8,16,32,64] [--batches=1,8,32] [--e2e_budgets=8,16,32]
 
+Part 0 (`--warps`, bench_tree_warps.json): the kernel alone at each num_warps (what `default_warps` picks from).
+With `--topk_vocabs` (bench_topk.json): exact top-k variants of the draft distribution: lax.top_k, a full sort,
+and the engine's `sharding.top_k`.
 Part 1, `build`: top-K + tree + ancestor mask from random draft logits `[B, D, V]` (the shipped drafter's D and
 vocabulary), each implementation timed as --steps dependent builds inside one program (so dispatch is not counted),
 plus whether the two return identical trees and masks. Part 2, `e2e`: generation on the shipped pair at concurrency 1
-with each build (two Generators, programs compiled up front, timed runs alternating between them), with AR and the
+with each build (two Generators, programs compiled up front, --repeats timed runs per program), with AR and the
 DFlash chain of the same run for reference: tokens/s, tokens/round and whether the outputs are identical.
-Part 0, `warps` (bench_tree_warps.json): the kernel alone at each num_warps, which picks `default_warps`; with
---topk_vocabs, `bench_topk.json`: exact top-k variants of the draft distribution (lax.top_k, a full sort, top-32 cut).
 Writes <out_dir>/bench_tree_build.json and .md.
 """
 
@@ -77,13 +78,13 @@ def _top_k_sorted(lp: jax.Array, k: int):
     return -neg[..., :k], ids[..., :k]
 
 
-def _top_k_wide(lp: jax.Array, k: int):
-    """lax.top_k at k' = max(k, 32), cut to k (same result: a prefix of the sorted top-k')."""
-    v, i = jax.lax.top_k(lp, max(k, 32))
-    return v[..., :k], i[..., :k]
+def _engine_top_k(lp: jax.Array, k: int):
+    from ddtree_jax import sharding
+
+    return sharding.top_k(lp, k)
 
 
-TOPK = {"top_k": jax.lax.top_k, "sort": _top_k_sorted, "top_k_32_cut": _top_k_wide}
+TOPK = {"lax.top_k": jax.lax.top_k, "sort": _top_k_sorted, "sharding.top_k": _engine_top_k}
 
 
 def topk_records(depth: int, vocabs: list[int], meta: dict) -> list[dict]:
