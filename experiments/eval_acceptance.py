@@ -31,6 +31,7 @@ flags.DEFINE_string("prompts", "experiments/eval_prompts.jsonl", "Held-out promp
 flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64"], "DDTree node budgets.")
 flags.DEFINE_integer("max_new_tokens", 96, "Tokens generated per prompt (stop tokens ignored).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations of both models.")
+flags.DEFINE_integer("context", 0, "Cut every prompt to this many tokens of the held-out stream (0: as written).")
 flags.DEFINE_string("out_dir", "", "Results directory (default experiments/results).")
 
 COLUMNS = (
@@ -57,6 +58,10 @@ def main(argv: Sequence[str]) -> None:
     rows = [json.loads(line) for line in Path(FLAGS.prompts).read_text().splitlines() if line.strip()]
     check_held_out([r["id"] for r in rows], Path(FLAGS.target))
     prompts = [gen.tokenizer.encode(r["prompt"]) for r in rows]
+    if FLAGS.context:
+        from experiments.workload import at_length
+
+        prompts = at_length(prompts, FLAGS.context, len(prompts))
     runs = [("ar", 1), ("dflash", 1)] + [("ddtree", int(b)) for b in FLAGS.budgets]
     records, hists, ar_tokens, diverged, target32 = [], {}, None, [], None
     for method, budget in runs:
@@ -96,13 +101,15 @@ def main(argv: Sequence[str]) -> None:
     extra = {
         "dtype": FLAGS.dtype,
         "prompts": len(prompts),
+        "context": FLAGS.context or "as written",
         "max_new_tokens": FLAGS.max_new_tokens,
         "accept_hist_note": "rounds committing 1..block_size tokens, summed over prompts",
         "accept_hist": hists,
         "bar": bar,
         "divergences": diverged,
     }
-    name = "acceptance" if FLAGS.dtype == "bfloat16" else f"acceptance_{FLAGS.dtype}"
+    name = "acceptance" + ("" if FLAGS.dtype == "bfloat16" else f"_{FLAGS.dtype}")
+    name += f"_ctx{FLAGS.context}" if FLAGS.context else ""
     path = write_results(name, records, COLUMNS, out_dir=FLAGS.out_dir or None, extra=extra)
     md = path.with_suffix(".md")
     depth = max(len(h) for h in hists.values())

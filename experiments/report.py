@@ -9,6 +9,7 @@ Reads sweep_{budget,concurrency,context}.json, breakdown.json, bench_round.json 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,9 @@ PUBLISHED = [
     },
     {"system": "vLLM TP8, Kimi K2.5 INT4, no spec-dec", "hardware": "8x H100", "number": "~112 tok/s single stream"},
 ]
+
+
+TRAIN_SEQ_LEN = 512  # tokens per training sequence of the shipped pair (experiments/train_pair.sh)
 
 
 def load(d: Path, name: str) -> dict[str, Any] | None:
@@ -135,7 +139,11 @@ def context_section(p: dict, d: Path) -> list[str]:
     if clamped:
         limit = recs[0].get("max_position_embeddings", "?")
         asked = sorted({r["context_requested"] for r in clamped})
-        out.append(f"Contexts {asked} exceed this model's max_position_embeddings ({limit}) and were clamped.")
+        out.append(
+            f"Contexts {asked} exceed this model's max_position_embeddings ({limit}) and were clamped: every requested "
+            "context above the limit (max_position_embeddings - new tokens - D - 2, rounded down to 32) runs as the "
+            "one cell at that limit."
+        )
     out.append(common.markdown_table(recs, SWEEP_COLS))
     return out
 
@@ -244,12 +252,49 @@ def losses_section(sweeps: list[dict], bench: dict | None) -> list[str]:
     versus = [(r, chain.get((r["axis"], r["concurrency"], r["context"]))) for r in tree]
     versus = [(r, c) for r, c in versus if c is not None]
     if versus:
-        slower = [(r, c) for r, c in versus if r["tokens_per_s"] < c["tokens_per_s"]]
+        rows = [
+            {
+                **r,
+                "tokens_per_round_ratio": r["tokens_per_round"] / c["tokens_per_round"],
+                "round_time_ratio": (r["tokens_per_round"] / r["tokens_per_s"])
+                / (c["tokens_per_round"] / c["tokens_per_s"]),
+                "tokens_per_s_ratio": r["tokens_per_s"] / c["tokens_per_s"],
+            }
+            for r, c in versus
+        ]
+        slower = [r for r in rows if r["tokens_per_s_ratio"] < 1]
         out.append(
-            f"Against the DFlash chain DDTree is slower in {len(slower)} of {len(versus)} measured cells: its extra "
-            "acceptance (more tokens per round) does not repay the extra per-round work of building and verifying "
-            "the tree on this small pair, whose rounds are launch bound (see the breakdown's kernel counts and idle "
-            "time)."
+            f"Against the DFlash chain (same run, same cell) DDTree is slower in {len(slower)} of {len(rows)} measured "
+            "cells. DDTree wins a cell exactly when its gain in tokens per round outweighs its longer round "
+            "(ratios DDTree / chain):"
+        )
+        cols_vs = ["axis", "budget", "concurrency", "context", "tokens_per_round_ratio", "round_time_ratio"]
+        out.append(common.markdown_table(rows, cols_vs + ["tokens_per_s_ratio"]))
+        per_budget = []
+        for b in sorted({r["budget"] for r in rows}):
+            mine = [r for r in rows if r["budget"] == b]
+            gain = statistics.mean(r["tokens_per_round_ratio"] for r in mine) - 1
+            cost = statistics.mean(r["round_time_ratio"] for r in mine) - 1
+            wins = sum(r["tokens_per_s_ratio"] >= 1 for r in mine)
+            per_budget.append(
+                f"budget {b}: {100 * gain:+.0f}% tokens per round for {100 * cost:+.0f}% round time, "
+                f"faster in {wins} of {len(mine)} cells"
+            )
+        out.append(
+            "A DDTree round verifies budget + 1 nodes where the chain verifies D + 1, and builds the tree (one kernel "
+            "plus the top-K); on this small pair rounds are launch bound (breakdown: idle time, kernel counts). Mean "
+            "over cells, " + "; ".join(per_budget) + "."
+        )
+    long = [r for r in tree if r["axis"] == "context" and r["context"] > TRAIN_SEQ_LEN]
+    if long:
+        short = [r for r in tree if r["axis"] == "context" and r["context"] <= TRAIN_SEQ_LEN]
+        out.append(
+            f"Long context: the shipped pair was trained on {TRAIN_SEQ_LEN}-token sequences (experiments/"
+            "train_pair.sh), and beyond that its drafter's acceptance collapses: "
+            + ", ".join(f"{r['tokens_per_round']:.2f} tokens per round at {r['context']}" for r in short + long)
+            + ". With about one drafted token accepted per round, every speculative method is slower than AR there; "
+            "this is the drafter's training length, not the engine (the full-size cost model below is measured at "
+            "context 8192)."
         )
     conc = sorted((r for r in tree if r["axis"] == "concurrency"), key=lambda r: (r["budget"], r["concurrency"]))
     if conc:
@@ -298,12 +343,14 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
         f"that is. {len(differ)} of {len(cells)} speculative sweep cells differ from AR somewhere"
         + (f" (dtype {sweeps[0]['config'].get('dtype', 'bfloat16')})." if sweeps else "."),
     ]
-    for name in ("acceptance", "acceptance_float32"):
+    contexts = sorted(f.stem for f in d.glob("acceptance*_ctx*.json"))
+    for name in ("acceptance", "acceptance_float32", *contexts):
         if p := load(d, name):
             rows = [{k: r[k] for k in ("method", "budget", "tokens_per_round", "rows_differing")} for r in p["records"]]
             out += [
                 f"`eval_acceptance` ({p.get('dtype', 'bfloat16')}, {p['prompts']} held-out prompts, "
-                f"{p['max_new_tokens']} tokens):",
+                + (f"cut to {p['context']} tokens, " if isinstance(p.get("context"), int) else "")
+                + f"{p['max_new_tokens']} tokens):",
                 meta_line(p),
                 common.markdown_table(rows, ["method", "budget", "tokens_per_round", "rows_differing"]),
             ]
@@ -334,7 +381,14 @@ def kernel_section(d: Path) -> list[str]:
             "team's K2.6 acceptance), not measurements of a real K2.6 drafter.",
             body,
         ]
-    for name in ("bench_moe", "bench_mla", "bench_tree_build", "bench_tree_warps", "bench_topk"):
+    for name in (
+        "bench_moe",
+        "bench_mla",
+        "bench_tree_build",
+        "bench_tree_build_e2e",
+        "bench_tree_warps",
+        "bench_topk",
+    ):
         md = d / f"{name}.md"
         if md.is_file():
             body = md.read_text().split("\n", 2)[-1]

@@ -111,9 +111,8 @@ def _kernel(lp_ref, ids_ref, root_ref, tok_ref, par_ref, dep_ref, val_ref, score
 
 def default_warps(tp: int) -> int:
     """Warps per program for Tp node slots. One warp keeps each pop's reductions inside the warp (fastest up to
-    Tp = 64); at Tp = 128 the `[Tp, Tp]` mask no longer fits one warp's registers. H200, one program, us per build
-    (scratch timing at commit 521a99d): Tp 64: 40 at 1 warp, 55-84 at 2-16; Tp 128: 1165 / 254 / 130 / 154 / 225 at
-    1 / 2 / 4 / 8 / 16 warps."""
+    Tp = 64); at Tp = 128 the `[Tp, Tp]` mask no longer fits one warp's registers. H200, us per build
+    (experiments/results/bench_tree_warps.md): budget 32: 36 at 1 warp, 54 at 4; budget 64: 1139 at 1, 118 at 4."""
     return 1 if tp <= 64 else 4
 
 
