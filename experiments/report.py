@@ -87,7 +87,9 @@ def budget_section(p: dict, d: Path) -> list[str]:
         if ar:
             line += f"; AR {ar[0]['tokens_per_s']:.1f} tok/s"
         if chain:
-            line += f"; DFlash chain {chain[0]['tokens_per_s']:.1f} tok/s ({chain[0]['speedup']:.2f}x)"
+            margin = best["tokens_per_s"] / chain[0]["tokens_per_s"] - 1
+            line += f"; DFlash chain {chain[0]['tokens_per_s']:.1f} tok/s ({chain[0]['speedup']:.2f}x; best DDTree "
+            line += f"{100 * margin:+.1f}% over it)"
         beats = all(best["tokens_per_s"] > r["tokens_per_s"] for r in ar + chain)
         out.append(line + (". DDTree beats both." if beats else ". DDTree does NOT beat both here."))
         for key, label, name in [
@@ -358,6 +360,22 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
                 cols = ["method", "row", "position", "ar_token", "token", "gap", "gap_f32"]
                 out += ["First differing positions and the target's logit gap there:"]
                 out += [common.markdown_table(p["divergences"], cols)]
+    long = [r for p in sweeps for r in p["records"] if r.get("axis") == "context" and r["context"] > TRAIN_SEQ_LEN]
+    runs = [load(d, name) for name in contexts]
+    if long and runs:
+        out.append(
+            "Long contexts: in the sweep ("
+            + ", ".join(
+                f"{r['method']} at {r['context']}: {r['rows_identical']:.0%}" for r in long if r["method"] != "ar"
+            )
+            + " of rows identical to AR, on the GPU kernels) against `eval_acceptance` on the CPU reference kernels ("
+            + ", ".join(
+                f"{p['dtype']} at {p['context']}: {sum(r['rows_differing'] for r in p['records'])} rows differing"
+                for p in runs
+            )
+            + "). A float32 run of the GPU kernels at long context would separate bf16 reduction order from a kernel "
+            "error; until one is in this directory, read the GPU long-context cells as unverified."
+        )
     if differ:
         out.append(
             "Verification accepts a drafted token only if it equals the target's own choice in the verify pass, so "
