@@ -22,6 +22,7 @@ from absl import logging
 from pallas_kernels import reference
 
 _MODES = ("auto", "reference", "pallas", "interpret")
+_OPS = ("moe_swiglu", "mla_attention", "build_tree")
 _MLA_BACKENDS = ("triton", "mosaic")
 _mode = "auto"
 _op_modes: dict[str, str] = {}  # per-op overrides of _mode (`use_kernels(mode, op=...)`)
@@ -38,14 +39,16 @@ def set_kernel_mode(mode: str) -> None:
 
 @contextlib.contextmanager
 def use_kernels(mode: str, op: str | None = None) -> Iterator[None]:
-    """Temporarily select the implementation (one of `_MODES`) of every op, or of `op` alone
-    ("moe_swiglu", "mla_attention", "build_tree"). The choice is made when a program is traced."""
+    """Temporarily select the implementation (one of `_MODES`) of every op, or of `op` alone (one of `_OPS`).
+    The choice is made when a program is traced: programs compiled before (e.g. cached by a Generator) keep theirs."""
     global _mode
     old, old_ops = _mode, dict(_op_modes)
+    if mode not in _MODES:
+        raise ValueError(f"kernel mode {mode!r} not one of {_MODES}")
     if op is None:
         set_kernel_mode(mode)
-    elif mode not in _MODES:
-        raise ValueError(f"kernel mode {mode!r} not one of {_MODES}")
+    elif op not in _OPS:
+        raise ValueError(f"kernel op {op!r} not one of {_OPS}")
     else:
         _op_modes[op] = mode
     try:
@@ -75,14 +78,15 @@ def _log_once(key: tuple[str, str], msg: str, *args) -> None:
 
 
 def _choose(op: str, available: bool) -> str:
-    """ "pallas", "interpret" (the Pallas kernel in interpret mode) or "reference" for `op` under the current mode."""
+    """The implementation of `op` under the current mode: "pallas", "interpret" (the Pallas kernel in interpret
+    mode) or "reference"."""
     mode = _op_modes.get(op, _mode)
-    if mode in ("reference", "interpret"):
-        impl = mode
-    elif mode == "pallas":
+    if mode == "reference":
+        impl = "reference"
+    elif mode in ("pallas", "interpret"):
         if not available:
             raise RuntimeError(f"{op}: the Pallas kernel was requested but is not available on this build/device")
-        impl = "pallas"
+        impl = mode
     else:
         impl = "pallas" if available and jax.default_backend() == "gpu" else "reference"
     backend = jax.default_backend()

@@ -51,3 +51,16 @@ def test_unknown_environment_values_fail_naming_them(var, value):
     assert proc.returncode != 0 and repr(value) in proc.stderr.splitlines()[-1]
     with pytest.raises(ValueError, match=value):
         (dispatch.set_kernel_mode if var == "DDTREE_KERNELS" else dispatch.set_mla_backend)(value)
+
+
+def test_per_op_override_applies_to_that_op_only_and_is_restored():
+    with dispatch.use_kernels("interpret", op="build_tree"):
+        assert dispatch._choose("build_tree", True) == "interpret"
+        assert dispatch._choose("moe_swiglu", True) == "reference"  # auto on a CPU
+    assert dispatch._choose("build_tree", True) == "reference"
+    with pytest.raises(ValueError, match="build_tre"):
+        with dispatch.use_kernels("pallas", op="build_tre"):
+            pass
+    with pytest.raises(RuntimeError, match="not available"):
+        with dispatch.use_kernels("interpret", op="moe_swiglu"):
+            dispatch._choose("moe_swiglu", False)
