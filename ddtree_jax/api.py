@@ -25,6 +25,7 @@ from ddtree_jax.config import check_pair
 from ddtree_jax.errors import NumericsError
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
+from pallas_kernels import dispatch
 
 PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so few shapes get compiled
 
@@ -60,7 +61,7 @@ class Generator:
             if drafter is not None:
                 sharding.shard_model(drafter, self.mesh)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        self._compiled: dict[engine.GenSpec, tuple] = {}
+        self._compiled: dict[tuple, tuple] = {}  # (spec, dispatch.state()) -> compiled program and states
         self.compile_seconds: dict[engine.GenSpec, float] = {}  # per program, however it was compiled
 
     @property
@@ -119,22 +120,24 @@ class Generator:
         return self.spec(max(len(prompts), pad_batch_to or 0), max(len(p) for p in prompts), **settings)
 
     def compiled(self, spec: engine.GenSpec):
-        """The compiled program for `spec` and the seconds spent compiling it now (0 if cached)."""
-        if spec in self._compiled:
-            return self._compiled[spec], 0.0
+        """The compiled program for `spec` under the current kernel selection (`pallas_kernels.dispatch`) and the
+        seconds spent compiling it now (0 if cached)."""
+        key = (spec, dispatch.state())  # a program keeps the kernels it was traced with
+        if key in self._compiled:
+            return self._compiled[key], 0.0
         t0 = time.perf_counter()
         drafter = self.drafter if spec.method != "ar" else None
         with sharding.use_mesh(self.mesh):
-            self._compiled[spec] = engine.compile_generate(self.target, drafter, spec)
+            self._compiled[key] = engine.compile_generate(self.target, drafter, spec)
         dt = time.perf_counter() - t0
         self.compile_seconds[spec] = dt
         logging.info("compiled %s in %.1fs", spec, dt)
-        return self._compiled[spec], dt
+        return self._compiled[key], dt
 
     def precompile(self, specs: Sequence[engine.GenSpec], workers: int) -> float:
         """Compile the `specs` not cached yet on `workers` threads (XLA compiles outside the GIL, so a many-core
         host overlaps them). Returns the wall seconds; each program's own time goes to `compile_seconds`."""
-        todo = list(dict.fromkeys(s for s in specs if s not in self._compiled))
+        todo = list(dict.fromkeys(s for s in specs if (s, dispatch.state()) not in self._compiled))
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(self.compiled, todo))

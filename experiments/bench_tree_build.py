@@ -7,9 +7,10 @@ With `--topk_vocabs` (bench_topk.json): exact top-k variants of the draft distri
 and the engine's `sharding.top_k`.
 Part 1, `build`: top-K + tree + ancestor mask from random draft logits `[B, D, V]` (the shipped drafter's D and
 vocabulary), each implementation timed as --steps dependent builds inside one program (so dispatch is not counted),
-plus whether the two return identical trees and masks. Part 2, `e2e`: generation on the shipped pair at concurrency 1
-with each build (two Generators, programs compiled up front, --repeats timed runs per program), with AR and the
-DFlash chain of the same run for reference: tokens/s, tokens/round and whether the outputs are identical.
+plus whether the two return identical trees and masks. Part 2, `e2e`: generation on the shipped pair at
+concurrency 1 with each build (one Generator holding both programs, compiled up front; --repeats timed runs per
+program), with AR and the DFlash chain of the same run for reference: tokens/s, tokens/round and whether the
+outputs are identical.
 Writes <out_dir>/bench_tree_build.json and .md.
 """
 
@@ -156,14 +157,12 @@ def warps_records(gen, meta: dict) -> list[dict]:
     return records
 
 
-def e2e_records(meta: dict) -> list[dict]:
-    """Generation at concurrency 1 with each build; AR and the chain from the Pallas-build Generator."""
-    from ddtree_jax.api import Generator
-
-    gens = {impl: Generator.load(FLAGS.target, FLAGS.drafter) for impl in IMPLS}
-    base, _ = workload.load_prompts(gens["pallas"], FLAGS.prompts, 1)
+def e2e_records(gen, meta: dict) -> list[dict]:
+    """Generation at concurrency 1 with each build (the Generator keeps one program per kernel selection); AR and
+    the chain with the Pallas build selected."""
+    base, _ = workload.load_prompts(gen, FLAGS.prompts, 1)
     prompts = workload.at_length(base, FLAGS.context, 1)
-    depth = gens["pallas"].drafter.config.num_draft
+    depth = gen.drafter.config.num_draft
     kw = lambda m, b: {
         "method": m,
         "budget": b,
@@ -172,26 +171,27 @@ def e2e_records(meta: dict) -> list[dict]:
         "temperature": 0.0,
     }
     runs = [("ddtree", int(b)) for b in FLAGS.e2e_budgets]
-    for impl, gen in gens.items():
+    for impl in IMPLS:
         extra = [("ar", 1), ("dflash", depth)] if impl == "pallas" else []
         with _using(impl):
             gen.precompile([gen.spec_for(prompts, **kw(m, b)) for m, b in runs + extra], FLAGS.compile_workers)
 
-    def timed(gen, m, b):
-        first = gen.generate(prompts, **kw(m, b))
-        walls = [gen.generate(prompts, **kw(m, b)).wall_s for _ in range(FLAGS.repeats)]
+    def timed(impl, m, b):
+        with _using(impl):
+            first = gen.generate(prompts, **kw(m, b))
+            walls = [gen.generate(prompts, **kw(m, b)).wall_s for _ in range(FLAGS.repeats)]
         return first, sum(len(t) for t in first.tokens) / statistics.median(walls)
 
     records = []
-    ar, ar_tps = timed(gens["pallas"], "ar", 1)
-    chain, chain_tps = timed(gens["pallas"], "dflash", depth)
+    ar, ar_tps = timed("pallas", "ar", 1)
+    chain, chain_tps = timed("pallas", "dflash", depth)
     for name, res, tps in (("ar", ar, ar_tps), ("dflash", chain, chain_tps)):
         rec = _record("e2e", name, 0, 1, {"pallas": tps, "reference": tps}, res.tokens == ar.tokens, "tok/s", meta)
         records.append({**rec, "tokens_per_round": res.stats[0]["tokens_per_round"]})
     bar = Progress(len(runs), "e2e")
     for m, b in runs:
         bar.step(f"{m} b={b}")
-        res, tps = zip(*(timed(gens[impl], m, b) for impl in IMPLS), strict=True)
+        res, tps = zip(*(timed(impl, m, b) for impl in IMPLS), strict=True)
         same = res[0].tokens == res[1].tokens == ar.tokens
         rec = _record("e2e", m, b, 1, dict(zip(IMPLS, tps, strict=True)), same, "tok/s", meta)
         rec |= {"tokens_per_round": res[0].stats[0]["tokens_per_round"], "vs_chain": tps[0] / chain_tps}
@@ -201,7 +201,7 @@ def e2e_records(meta: dict) -> list[dict]:
 
 
 def _record(part, method, budget, batch, values: dict, identical: bool, unit: str, meta: dict) -> dict:
-    """speedup: how many times better the Pallas build is (time ratio for ms, rate ratio for tok/s)."""
+    """speedup: how many times better the Pallas build is (time ratio for us, rate ratio for tok/s)."""
     p, r = values["pallas"], values["reference"]
     speedup = p / r if unit == "tok/s" else r / p
     return {
@@ -240,7 +240,7 @@ def main(_) -> None:
     records = build_records(gen, meta)
     common.write_results("bench_tree_build", records, COLUMNS, FLAGS.out_dir or None)
     if FLAGS.e2e_budgets:
-        records += e2e_records(meta)
+        records += e2e_records(gen, meta)
         common.write_results(
             "bench_tree_build", records, COLUMNS + ["tokens_per_round", "vs_chain"], FLAGS.out_dir or None
         )

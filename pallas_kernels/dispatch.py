@@ -59,6 +59,11 @@ def use_kernels(mode: str, op: str | None = None) -> Iterator[None]:
         _op_modes.update(old_ops)
 
 
+def state() -> tuple:
+    """Everything that decides which kernels a program traced now would use (a compile-cache key)."""
+    return _mode, tuple(sorted(_op_modes.items())), _mla_backend
+
+
 def kernel_mode() -> str:
     return _mode
 

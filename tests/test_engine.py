@@ -326,3 +326,18 @@ def test_chunked_prefill_equals_single_pass():
         )
     got = [run(target, drafter, spec, prompts, plen)[0] for spec in (whole, chunked)]
     assert got[0] == got[1]
+
+
+def test_generator_keeps_one_program_per_kernel_selection(monkeypatch):
+    """A program keeps the kernels it was traced with: changing the selection compiles anew instead of reusing it."""
+    from pallas_kernels import dispatch
+
+    target, drafter = make_pair(int(np.random.default_rng().integers(1 << 20)), vocab=13)
+    gen = Generator(target, drafter, tokenizer=None)
+    built = []
+    monkeypatch.setattr(engine, "compile_generate", lambda *a: built.append(dispatch.state()) or ("p", None, None))
+    spec = engine.GenSpec("ddtree", 1, 4, 4, budget=4)
+    for mode in ("reference", "interpret", "reference"):
+        with dispatch.use_kernels(mode, op="build_tree"):
+            assert gen.compiled(spec)[0][0] == "p"
+    assert [dict(s[1])["build_tree"] for s in built] == ["reference", "interpret"]
