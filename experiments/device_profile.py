@@ -79,13 +79,7 @@ def _leaves(events: list[dict]) -> list[dict]:
 def top_device_events(events: list[dict], n: int = 15) -> list[tuple[str, float, int]]:
     """(name, total microseconds, count) of the `n` costliest event names on '/device:' processes, whatever
     their arguments: a fallback view when a trace's kernels carry no instruction names."""
-    acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for e in events:
-        if e["process"].startswith("/device:"):
-            acc[e["name"]][0] += float(e["dur"])
-            acc[e["name"]][1] += 1
-    ranked = sorted(acc.items(), key=lambda kv: -kv[1][0])[:n]
-    return [(k, v[0], int(v[1])) for k, v in ranked]
+    return _ranked(_totals((e["name"], float(e["dur"])) for e in events if e["process"].startswith("/device:")), n)
 
 
 def _kernel_name(instruction: str) -> str:
@@ -103,8 +97,9 @@ def costliest(
     ops: list[tuple[str, str, float]], scope_map: dict[str, str], n: int = 12
 ) -> list[tuple[str, float, int]]:
     """The `n` kernels of the most device time outside prefill: ("scope:kernel", total microseconds, count)."""
-    totals = _totals((f"{scope}:{name}", us) for scope, name, us in _scoped(ops, scope_map) if scope != "prefill")
-    return [(k, us, c) for k, (us, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]]
+    return _ranked(
+        _totals((f"{scope}:{name}", us) for scope, name, us in _scoped(ops, scope_map) if scope != "prefill"), n
+    )
 
 
 def _scoped(ops: list[tuple[str, str, float]], scope_map: dict[str, str]):
@@ -120,6 +115,11 @@ def _totals(pairs) -> dict[str, tuple[float, int]]:
         acc[key][0] += us
         acc[key][1] += 1
     return {k: (v[0], int(v[1])) for k, v in acc.items()}
+
+
+def _ranked(totals: dict[str, tuple[float, int]], n: int) -> list[tuple[str, float, int]]:
+    """The `n` keys of most microseconds: (key, microseconds, count)."""
+    return [(k, us, c) for k, (us, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]]
 
 
 def unattributed(ops: list[tuple[str, str, float]], scope_map: dict[str, str], n: int = 8) -> list[str]:
