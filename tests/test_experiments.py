@@ -84,8 +84,8 @@ def test_breakdown(tiny_pair, tmp_path):
         f"--drafter={drafter}",
         "--methods=ar,ddtree",
         "--budgets=4",
-        "--repeats=3",
-        "--max_new_tokens=24",
+        "--repeats=5",
+        "--max_new_tokens=256",
         "--compile_workers=2",
         f"--out_dir={tmp_path}",
     )
