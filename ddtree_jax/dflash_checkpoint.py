@@ -127,3 +127,12 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path, metadata: dict[str, 
         metadata={"format": "pt", **(metadata or {})},
     )
     return out
+
+
+def drafter_lineage(path: str | Path) -> dict[str, str]:
+    """The metadata records of the drafter checkpoint at `path`, each key prefixed with "init_": what a drafter
+    trained from it keeps of how its starting point was made (one "init_" per generation back)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / "model.safetensors"), "numpy") as f:
+        return {f"init_{k}": v for k, v in (f.metadata() or {}).items() if k != "format"}

@@ -77,12 +77,11 @@ def main(argv: Sequence[str]) -> None:
     del argv
     import jax
     import jax.numpy as jnp
-    from safetensors import safe_open
 
     from ddtree_jax import training
     from ddtree_jax.api import Generator
     from ddtree_jax.checkpoint import load_target
-    from ddtree_jax.dflash_checkpoint import load_drafter, save_drafter
+    from ddtree_jax.dflash_checkpoint import drafter_lineage, load_drafter, save_drafter
     from experiments.common import metadata
 
     rng = np.random.default_rng(FLAGS.seed)
@@ -145,9 +144,8 @@ def main(argv: Sequence[str]) -> None:
             + ("gamma", "weight_decay")
         },
     }
-    with safe_open(str(Path(FLAGS.drafter) / "model.safetensors"), "numpy") as f:
-        base_meta = {k: v for k, v in (f.metadata() or {}).items() if k != "format"}
-    save_drafter(trainer.export(best_params), FLAGS.out_dir, metadata={**base_meta, "selfdistill": json.dumps(run)})
+    lineage = drafter_lineage(FLAGS.drafter)
+    save_drafter(trainer.export(best_params), FLAGS.out_dir, metadata={**lineage, "selfdistill": json.dumps(run)})
     out = Path(FLAGS.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"meta": metadata(), "run": run, "curve": curve, "val_curve": val_curve}

@@ -84,7 +84,7 @@ def main(argv: Sequence[str]) -> None:
 
     from ddtree_jax import training
     from ddtree_jax.checkpoint import load_target
-    from ddtree_jax.dflash_checkpoint import dflash_to_hf_dict, load_drafter, save_drafter
+    from ddtree_jax.dflash_checkpoint import dflash_to_hf_dict, drafter_lineage, load_drafter, save_drafter
     from ddtree_jax.models.dflash import DFlashDrafter
     from experiments.common import metadata
 
@@ -138,12 +138,7 @@ def main(argv: Sequence[str]) -> None:
             + ("seed",)
         },
     }
-    lineage = {}
-    if FLAGS.init:  # keep how the starting drafter was made
-        from safetensors import safe_open
-
-        with safe_open(str(Path(FLAGS.init) / "model.safetensors"), "numpy") as f:
-            lineage = {f"init_{k}": v for k, v in (f.metadata() or {}).items() if k != "format"}
+    lineage = drafter_lineage(FLAGS.init) if FLAGS.init else {}  # keep how the starting drafter was made
     save_drafter(trainer.export(), FLAGS.out_dir, metadata={**lineage, "training": json.dumps({**metadata(), **run})})
     results = Path(FLAGS.results_dir)
     results.mkdir(parents=True, exist_ok=True)

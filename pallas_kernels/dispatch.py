@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
 from pallas_kernels import reference
@@ -82,26 +83,31 @@ def _log_once(key: tuple[str, str], msg: str, *args) -> None:
         logging.info(msg, *args)
 
 
-def _choose(op: str, available: bool) -> str:
+def _choose(op: str, available: bool, unsupported: str = "") -> str:
     """The implementation of `op` under the current mode: "pallas", "interpret" (the Pallas kernel in interpret
-    mode) or "reference"."""
+    mode) or "reference". `unsupported` names why the kernel cannot take these inputs: "auto" then runs the
+    reference (logged as the slow path it is); an explicit "pallas"/"interpret" leaves the kernel to reject them."""
     mode = _op_modes.get(op, _mode)
+    backend = jax.default_backend()
     if mode == "reference":
         impl = "reference"
     elif mode in ("pallas", "interpret"):
         if not available:
             raise RuntimeError(f"{op}: the Pallas kernel was requested but is not available on this build/device")
         impl = mode
+    elif available and backend == "gpu" and unsupported:
+        _log_once((op, unsupported), "%s: SLOW PATH, the reference runs because %s", op, unsupported)
+        return "reference"
     else:
-        impl = "pallas" if available and jax.default_backend() == "gpu" else "reference"
-    backend = jax.default_backend()
+        impl = "pallas" if available and backend == "gpu" else "reference"
     _log_once((op, impl), "%s: using the %s implementation (mode=%s, backend=%s)", op, impl, mode, backend)
     return impl
 
 
 def moe_swiglu(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s):
     """Routed-expert SwiGLU; see `reference.moe_swiglu_reference` for shapes and semantics."""
-    if (impl := _choose("moe_swiglu", _moe_kernel() is not None)) != "reference":
+    unsupported = "" if x.dtype == jnp.bfloat16 else f"the Pallas MoE kernel takes bf16 activations, not {x.dtype}"
+    if (impl := _choose("moe_swiglu", _moe_kernel() is not None, unsupported)) != "reference":
         return _moe_kernel()(
             x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s, interpret=impl == "interpret"
         )

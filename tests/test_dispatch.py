@@ -64,3 +64,23 @@ def test_per_op_override_applies_to_that_op_only_and_is_restored():
     with pytest.raises(RuntimeError, match="not available"):
         with dispatch.use_kernels("interpret", op="moe_swiglu"):
             dispatch._choose("moe_swiglu", False)
+
+
+@pytest.mark.parametrize("dtype,kernel_runs", [(jnp.bfloat16, True), (jnp.float32, False)])
+def test_gpu_auto_runs_the_moe_kernel_only_on_bf16_and_logs_the_slow_path(monkeypatch, dtype, kernel_runs):
+    """On a GPU in auto mode the Mosaic MoE kernel (bf16 only) takes bf16 activations; float32 (a float32 model,
+    e.g. an exactness run) goes to the reference, logged, instead of failing inside the kernel."""
+    calls = []
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_moe_kernel", lambda: lambda *a, **k: calls.append(a[0].dtype) or "kernel")
+    monkeypatch.setattr(dispatch, "_logged", set())
+    logged = []
+    monkeypatch.setattr(dispatch.logging, "info", lambda msg, *a: logged.append(msg % a))
+    x = jnp.ones((3, 64), dtype)
+    ids, w = jnp.zeros((3, 2), jnp.int32), jnp.full((3, 2), 0.5, jnp.float32)
+    gu_q, gu_s = jnp.ones((2, 8, 64), jnp.int4), jnp.full((2, 2, 8), 0.01, jnp.bfloat16)
+    d_q, d_s = jnp.ones((2, 64, 4), jnp.int4), jnp.full((2, 1, 64), 0.01, jnp.bfloat16)
+    out = dispatch.moe_swiglu(x, ids, w, gu_q, gu_s, d_q, d_s)
+    assert (calls == [dtype]) == kernel_runs
+    if not kernel_runs:
+        assert out.shape == (3, 64) and any("SLOW PATH" in m and "float32" in m for m in logged)
