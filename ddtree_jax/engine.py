@@ -14,6 +14,7 @@ Invariants at the top of a round, per row b:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -393,5 +394,8 @@ def compile_generate(target: KimiForCausalLM, drafter: DFlashDrafter | None, spe
         jax.ShapeDtypeStruct((spec.batch,), jnp.int32),
         jax.eval_shape(lambda: jax.random.key(0)),
     )
-    compiled = jax.jit(run).lower(ts, ds, *shapes).compile()
+    # A float32 model computes in float32: XLA's GPU default would run its f32 matmuls in TF32.
+    f32 = target.dtype == jnp.float32
+    with jax.default_matmul_precision("highest") if f32 else contextlib.nullcontext():
+        compiled = jax.jit(run).lower(ts, ds, *shapes).compile()
     return compiled, ts, ds

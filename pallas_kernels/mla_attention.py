@@ -128,14 +128,20 @@ def _kernel(
     words = [words_ref[k, :] for k in range(words_ref.shape[0])]
     qk_scale = scale * _LOG2E
     cols = jnp.arange(block_k, dtype=jnp.int32)
+    # f32 operands multiply in IEEE f32 (Triton's default for them is TF32); bf16 ones need no setting
+    dot = functools.partial(
+        jnp.dot,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST if kv_ref.dtype == jnp.float32 else None,
+    )
 
     def tile(t, carry, masked: bool):
         acc, m_i, l_i = carry
         start = jnp.minimum(t * block_k, length - block_k)  # the last tile may overlap its predecessor
         kn = kv_ref[pl.ds(start, block_k), pl.ds(0, value_dim)]
         kp = kv_ref[pl.ds(start, block_k), pl.ds(value_dim, rope_dim)]
-        s = jnp.dot(qn, kn.T, preferred_element_type=jnp.float32)
-        s += jnp.dot(qp, kp.T, preferred_element_type=jnp.float32)
+        s = dot(qn, kn.T)
+        s += dot(qp, kp.T)
         s *= qk_scale
         if masked:
             slot = start + cols
@@ -146,7 +152,7 @@ def _kernel(
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l_i = l_i * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(kn.dtype), kn, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + dot(p.astype(kn.dtype), kn)
         return acc, m_new, l_i
 
     block_r = qn.shape[0]

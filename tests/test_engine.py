@@ -341,3 +341,16 @@ def test_generator_keeps_one_program_per_kernel_selection(monkeypatch):
         with dispatch.use_kernels(mode, op="build_tree"):
             assert gen.compiled(spec)[0][0] == "p"
     assert [dict(s[1])["build_tree"] for s in built] == ["reference", "interpret"]
+
+
+def test_float32_model_compiles_with_full_precision_matmuls():
+    """A float32 model's program asks for HIGHEST precision on every dot (on a GPU XLA's default runs f32 matmuls in
+    TF32); a bf16 model's keeps the ambient default. The suite sets "highest" globally, so the test resets it."""
+    cfg = tiny_kimi_config()
+    for dtype, want_highest in ((jnp.float32, True), (jnp.bfloat16, False)):
+        target = KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype)
+        with jax.default_matmul_precision("default"):
+            compiled, _, _ = engine.compile_generate(target, None, engine.GenSpec("ar", 1, 8, 4))
+        hlo = compiled.as_text()
+        dots, highest = hlo.count(" dot("), hlo.count("operand_precision={highest,highest}")
+        assert dots > 0 and highest == (dots if want_highest else 0), (dtype, dots, highest)

@@ -40,13 +40,40 @@ def test_tree_kernel_lowers(batch, depth, budget):
     assert "__gpu$xla.gpu.triton" in text and "ddtree_build" in text
 
 
-@pytest.mark.parametrize("nodes", [1, 17])
-def test_mla_kernel_lowers(nodes):
-    text = lower_for_h200(
-        lambda q, cache, prefix, mask: mla_attention_pallas(q, cache, prefix, mask, 0.1, 512),
-        spec((2, nodes, 16, 576), jnp.bfloat16),
-        spec((2, 1024, 576), jnp.bfloat16),
-        spec((2,), jnp.int32),
-        spec((2, nodes, nodes), jnp.bool_),
-    )
+def mla_args(nodes: int, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+    q, cache = spec((2, nodes, 16, 576), dtype), spec((2, 1024, 576), dtype)
+    return q, cache, spec((2,), jnp.int32), spec((2, nodes, nodes), jnp.bool_)
+
+
+def mla(q, cache, prefix, mask):
+    return mla_attention_pallas(q, cache, prefix, mask, 0.1, 512)
+
+
+@pytest.mark.parametrize(("nodes", "dtype"), [(1, jnp.bfloat16), (17, jnp.bfloat16), (17, jnp.float32)])
+def test_mla_kernel_lowers(nodes, dtype):
+    text = lower_for_h200(mla, *mla_args(nodes, dtype))
     assert "__gpu$xla.gpu.triton" in text and "mla_attention" in text
+
+
+def dot_precisions(jaxpr) -> list:
+    """The `precision` of every dot_general in `jaxpr` and the jaxprs nested in its equations (a kernel body)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if hasattr(inner := getattr(sub, "jaxpr", sub), "eqns"):
+                    found += dot_precisions(inner)
+    return found
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mla_kernel_multiplies_float32_in_float32(dtype):
+    """Triton runs a DEFAULT-precision f32 dot in TF32 (10-bit mantissa), which made float32 GPU runs differ from AR;
+    the kernel asks for HIGHEST (IEEE) on f32 operands and leaves bf16 ones at the default (the suite sets
+    "highest" globally, so the test resets it)."""
+    with jax.default_matmul_precision("default"):
+        found = dot_precisions(jax.make_jaxpr(mla)(*mla_args(3, dtype)).jaxpr)
+    highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
+    assert found and (all(highest) if dtype == jnp.float32 else not any(highest))
