@@ -374,6 +374,12 @@ def generate(
     return GenOut(s.out, s.n_out, s.rounds, s.accept_hist, s.bad_round)
 
 
+def matmul_precision(dtype) -> str | None:
+    """The matmul precision a model of `dtype` compiles under: "highest" for float32 (a float32 model computes in
+    float32; XLA's GPU default would run its f32 matmuls in TF32), else None (the ambient setting)."""
+    return "highest" if dtype == jnp.float32 else None
+
+
 def compile_generate(target: KimiForCausalLM, drafter: DFlashDrafter | None, spec: GenSpec):
     """AOT-compile `generate` for `spec`: returns (compiled, target_state, drafter_state).
 
@@ -394,8 +400,7 @@ def compile_generate(target: KimiForCausalLM, drafter: DFlashDrafter | None, spe
         jax.ShapeDtypeStruct((spec.batch,), jnp.int32),
         jax.eval_shape(lambda: jax.random.key(0)),
     )
-    # A float32 model computes in float32: XLA's GPU default would run its f32 matmuls in TF32.
-    f32 = target.dtype == jnp.float32
-    with jax.default_matmul_precision("highest") if f32 else contextlib.nullcontext():
+    precision = matmul_precision(target.dtype)
+    with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
         compiled = jax.jit(run).lower(ts, ds, *shapes).compile()
     return compiled, ts, ds

@@ -60,6 +60,12 @@ flags.DEFINE_float("time_limit_s", 0.0, "stop starting new cells after this many
 flags.DEFINE_string("sweep_json", str(common.RESULTS_DIR / "sweep_budget.json"), "our measured acceptance")
 flags.DEFINE_bool("tiny", False, "toy dimensions (CPU smoke test of this script)")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
+flags.DEFINE_list(
+    "reproject",
+    [],
+    "measure nothing: re-derive the projections of these bench_round.json files' measured rows from --sweep_json "
+    "(e.g. after the shipped pair changed), merged into one bench_round.json that keeps the measuring run's metadata",
+)
 
 FULL_LAYERS = 61
 # Published acceptance lengths for Kimi K2.5 + its DFlash drafter (dflash_ddtree.md section 5, kimi_k2.md section 9).
@@ -315,7 +321,35 @@ def projections(base: dict, method: str, budget: int, t61: float, ar61: float, o
     return out
 
 
+def reproject(paths: list[str], sweep_json: str, out_dir: str | None) -> None:
+    """Measured rows of `paths` (in order) with fresh projections: each DDTree row against the AR step of the same
+    file at its (concurrency, context). The files must come from one model size."""
+    sources = [json.loads(Path(p).read_text()) for p in paths]
+    shape = lambda s: {k: v for k, v in s.get("model", {}).items() if k != "init_s"}  # noqa: E731
+    if len({json.dumps(shape(s), sort_keys=True) for s in sources}) > 1:
+        raise app.UsageError(f"--reproject: {paths} were measured on different models")
+    ours, records = our_acceptance(sweep_json), []
+    for src in sources:
+        measured = [r for r in src["records"] if r["kind"] == "measured"]
+        ar61 = {(r["concurrency"], r["context"]): r["projected_ms_61"] / 1e3 for r in measured if r["method"] == "ar"}
+        for r in measured:
+            records.append(r)
+            if r["method"] == "ddtree" and not r.get("error"):
+                t61, ar = r["projected_ms_61"] / 1e3, ar61[r["concurrency"], r["context"]]
+                records += projections(r, "ddtree", r["budget"], t61, ar, ours)
+    extra = {
+        "model": sources[0].get("model", {}),
+        "published_acceptance": sources[0].get("published_acceptance", {}),
+        "reprojected": {**common.metadata(), "sweep_json": sweep_json, "sources": [s["meta"] for s in sources]},
+    }
+    common.write_results("bench_round", records, COLUMNS, out_dir, extra, meta=sources[0]["meta"])
+    print(common.markdown_table(records, COLUMNS))
+
+
 def main(_) -> None:
+    if FLAGS.reproject:
+        reproject(FLAGS.reproject, FLAGS.sweep_json, FLAGS.out_dir or None)
+        return
     t_full = load_kimi_config(FLAGS.target_config)
     d_full = load_dflash_config(FLAGS.drafter_config)
     tcfg, dcfg = tiny_configs() if FLAGS.tiny else (t_full, d_full)

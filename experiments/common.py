@@ -86,11 +86,13 @@ def write_results(
     columns: Sequence[str],
     out_dir: str | Path | None = None,
     extra: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `<name>.json` (metadata + records) and `<name>.md` (metadata line + table); returns the JSON path."""
+    """Write `<name>.json` (metadata + records) and `<name>.md` (metadata line + table); returns the JSON path.
+    `meta` (default: this run's `metadata()`) names where the records were measured."""
     out = Path(out_dir) if out_dir else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
-    meta = metadata()
+    meta = meta or metadata()
     payload = {"meta": meta, **(extra or {}), "records": list(records)}
     json_path = out / f"{name}.json"
     tmp = json_path.with_suffix(".json.tmp")

@@ -362,6 +362,21 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
                 out += [common.markdown_table(p["divergences"], cols)]
     long = [r for p in sweeps for r in p["records"] if r.get("axis") == "context" and r["context"] > TRAIN_SEQ_LEN]
     runs = [load(d, name) for name in contexts]
+    if f32 := load(d, "sweep_context_float32"):
+        precision = f32["config"].get("matmul_precision")
+        out += [
+            "Float32 context sweep on the GPU kernels (`sweep --axis=context --dtype=float32`), matmul precision "
+            + (
+                f"`{precision}`:"
+                if precision
+                else "not recorded: the run predates the setting, so its f32 matmuls (XLA's and the Triton MLA "
+                "kernel's) ran at the GPU default, TF32, and it cannot separate rounding from a kernel error:"
+            ),
+            meta_line(f32),
+            common.markdown_table(
+                f32["records"], ["method", "budget", "context", "tokens_per_round", "correct", "rows_identical"]
+            ),
+        ]
     if long and runs:
         out.append(
             "Long contexts: in the sweep ("
@@ -373,8 +388,15 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
                 f"{p['dtype']} at {p['context']}: {sum(r['rows_differing'] for r in p['records'])} rows differing"
                 for p in runs
             )
-            + "). A float32 run of the GPU kernels at long context would separate bf16 reduction order from a kernel "
-            "error; until one is in this directory, read the GPU long-context cells as unverified."
+            + (
+                "). The float32 GPU run at full f32 matmul precision is identical to AR in every row: the bf16 GPU "
+                "differences are rounding, not a kernel error."
+                if f32
+                and f32["config"].get("matmul_precision") == "highest"
+                and all(r["correct"] for r in f32["records"])
+                else "). Until a float32 GPU run at full f32 matmul precision is identical to AR there, read the GPU "
+                "long-context cells as unverified."
+            )
         )
     if differ:
         out.append(

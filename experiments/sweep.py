@@ -191,6 +191,7 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
 def main(_) -> None:
     import jax.numpy as jnp
 
+    from ddtree_jax import engine
     from ddtree_jax.api import Generator
 
     gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype))
@@ -205,6 +206,7 @@ def main(_) -> None:
         "ignore_eos": FLAGS.ignore_eos,
         "temperature": 0.0,
         "dtype": FLAGS.dtype,
+        "matmul_precision": engine.matmul_precision(jnp.dtype(FLAGS.dtype)) or "default",
         "num_draft": gen.drafter.config.num_draft,
         "max_position_embeddings": gen.target_config.max_position_embeddings,
     }

@@ -153,6 +153,22 @@ def test_bench_round_tiny(tmp_path):
     ours = proj["ours (sweep, b8)"]
     assert ours["proj_speedup"] == pytest.approx(3.0 * ar["projected_ms_61"] / dd["projected_ms_61"])
 
+    # --reproject: the same measured rows and metadata, projections from another acceptance (twice the file: merged)
+    sweep.write_text(sweep.read_text().replace("3.0", "5.0"))
+    again = tmp_path / "again"
+    run(
+        "bench_round",
+        f"--reproject={tmp_path / 'bench_round.json'},{tmp_path / 'bench_round.json'}",
+        f"--sweep_json={sweep}",
+        f"--out_dir={again}",
+    )
+    re = json.loads((again / "bench_round.json").read_text())
+    assert re["meta"] == payload["meta"] and re["reprojected"]["sweep_json"] == str(sweep)
+    assert [r for r in re["records"] if r["kind"] == "measured"] == [r for r in recs if r["kind"] == "measured"] * 2
+    ours = [r for r in re["records"] if r.get("acceptance_source") == "ours (sweep, b8)"]
+    assert len(ours) == 2 and all(r["acceptance"] == 5.0 for r in ours)
+    assert ours[0]["proj_speedup"] == pytest.approx(5.0 * ar["projected_ms_61"] / dd["projected_ms_61"])
+
 
 def test_notebook_executes():
     nb = nbformat.read(REPO / "experiments" / "notebooks" / "explore.ipynb", as_version=4)
