@@ -325,8 +325,8 @@ def reproject(paths: list[str], sweep_json: str, out_dir: str | None) -> None:
     """Measured rows of `paths` (in order) with fresh projections: each DDTree row against the AR step of the same
     file at its (concurrency, context). The files must come from one model size."""
     sources = [json.loads(Path(p).read_text()) for p in paths]
-    shape = lambda s: {k: v for k, v in s.get("model", {}).items() if k != "init_s"}  # noqa: E731
-    if len({json.dumps(shape(s), sort_keys=True) for s in sources}) > 1:
+    shapes = [{k: v for k, v in s.get("model", {}).items() if k != "init_s"} for s in sources]
+    if any(m != shapes[0] for m in shapes):
         raise app.UsageError(f"--reproject: {paths} were measured on different models")
     ours, records = our_acceptance(sweep_json), []
     for src in sources:

@@ -78,8 +78,9 @@ def test_gpu_auto_runs_the_moe_kernel_only_on_bf16_and_logs_the_slow_path(monkey
     monkeypatch.setattr(dispatch.logging, "info", lambda msg, *a: logged.append(msg % a))
     x = jnp.ones((3, 64), dtype)
     ids, w = jnp.zeros((3, 2), jnp.int32), jnp.full((3, 2), 0.5, jnp.float32)
-    gu_q, gu_s = jnp.ones((2, 8, 64), jnp.int4), jnp.full((2, 2, 8), 0.01, jnp.bfloat16)
-    d_q, d_s = jnp.ones((2, 64, 4), jnp.int4), jnp.full((2, 1, 64), 0.01, jnp.bfloat16)
+    # E=2 experts, H=64, I=32, group 32: gate_up [E, 2I, H] / [E, H/G, 2I], down [E, H, I] / [E, I/G, H]
+    gu_q, gu_s = jnp.ones((2, 64, 64), jnp.int4), jnp.full((2, 2, 64), 0.01, jnp.bfloat16)
+    d_q, d_s = jnp.ones((2, 64, 32), jnp.int4), jnp.full((2, 1, 64), 0.01, jnp.bfloat16)
     out = dispatch.moe_swiglu(x, ids, w, gu_q, gu_s, d_q, d_s)
     assert (calls == [dtype]) == kernel_runs
     if not kernel_runs:
