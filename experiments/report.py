@@ -365,7 +365,7 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
     if f32 := load(d, "sweep_context_float32"):
         precision = f32["config"].get("matmul_precision")
         out += [
-            "Float32 context sweep on the GPU kernels (`sweep --axis=context --dtype=float32`), matmul precision "
+            "Float32 context sweep (`sweep --axis=context --dtype=float32`), matmul precision "
             + (
                 f"`{precision}`:"
                 if precision

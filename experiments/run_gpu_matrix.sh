@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole experiment matrix in one command, sized for about 7 minutes on one H200:
+# The whole experiment matrix in one command on one H200 (the stage caps below sum to about 12 minutes; a device
+# call is at most 10, so pick stages with STAGES=...):
 #   1. sweeps over budget and concurrency on the shipped pair (one process: compilations shared)
-#   2. round-time breakdown   3. full-size cost model (bench_round)   4. context sweep
-#   5. tree build: Pallas kernel vs plain JAX, top-k variants (bench_tree_build)   6. REPORT.md + plots
+#   2. round-time breakdown   3. full-size cost model (bench_round, BENCH_LAYERS real-size layers)   4. context sweep
+#   5. float32 exactness at long context (sweep_context_float32)
+#   6. tree build: Pallas kernel vs plain JAX, top-k variants (bench_tree_build)   7. REPORT.md + plots
 # Results go to $OUT when set (the device tool's output folder), else experiments/results. Each stage has a
 # wall-clock cap in seconds (override through the environment) and writes its records after every cell, so a stage
 # cut short keeps what it measured. Shrink further with e.g. SWEEP_S=120 BENCH_S=120 REPEATS=2 MAX_NEW=64.
@@ -14,6 +16,8 @@ SWEEP_S=${SWEEP_S:-150}
 BREAKDOWN_S=${BREAKDOWN_S:-60}
 BENCH_S=${BENCH_S:-150}
 CONTEXT_S=${CONTEXT_S:-50}
+EXACT_S=${EXACT_S:-120}
+BENCH_LAYERS=${BENCH_LAYERS:-4}  # the projection scales one measured MoE layer to 61; 0: as many as fit
 TREE_S=${TREE_S:-200}
 REPEATS=${REPEATS:-3}
 MAX_NEW=${MAX_NEW:-128}
@@ -33,14 +37,16 @@ stage() {  # stage NAME CAP_S COMMAND...: run with a wall-clock cap, report how 
 SWEEP=(-m experiments.sweep --out_dir="$RES" --repeats="$REPEATS" --max_new_tokens="$MAX_NEW"
   --axis_budgets="$AXIS_BUDGETS")
 
-STAGES=${STAGES:-sweep breakdown bench_round context tree}
+STAGES=${STAGES:-sweep breakdown bench_round context exact tree}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 want sweep && stage sweep "$SWEEP_S" "$PY" "${SWEEP[@]}" --axis=budget,concurrency --concurrency=1,8,32,64,128
 want breakdown && stage breakdown "$BREAKDOWN_S" "$PY" -m experiments.breakdown --out_dir="$RES" --budgets=8,16,32 --repeats=5
 # Full-size Kimi K2.6 layers, random INT4 weights; stops starting new cells 30 s before its cap.
 want bench_round && stage bench_round "$BENCH_S" "$PY" -m experiments.bench_round --out_dir="$RES" --sweep_json="$RES/sweep_budget.json" \
-  --budgets=8,16,32,64 --concurrency=1,8,32 --contexts=1024,8192 --repeats=5 --time_limit_s=$((BENCH_S - 30))
+  --layers="$BENCH_LAYERS" --budgets=8,16,32,64 --concurrency=1,8,32 --contexts=1024,8192 --repeats=5 --time_limit_s=$((BENCH_S - 30))
 want context && stage context "$CONTEXT_S" "$PY" "${SWEEP[@]}" --axis=context --contexts=60,1024,4096,8192
+want exact && stage exact "$EXACT_S" "$PY" "${SWEEP[@]}" --axis=context --contexts=1024,4096 --axis_budgets=16 \
+  --methods=ar,ddtree --dtype=float32 --repeats=1
 want tree && stage tree "$TREE_S" "$PY" -m experiments.bench_tree_build --out_dir="$RES" --topk_vocabs=4096,163840 \
   --batches=1,32 --e2e_budgets=8,16
 "$PY" -m experiments.report --results_dir="$RES"

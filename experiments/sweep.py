@@ -12,7 +12,8 @@ wall time (compilation excluded). tokens_per_s is aggregate
 (generated tokens / wall_s); tokens_per_s_per_request the mean over rows of row tokens / batch wall time;
 tokens_per_round the acceptance length (committed tokens per round, bonus included); speedup is over AR measured
 in the same run at the same (B, context); `correct` says the greedy outputs equal AR's token for token.
-Results are rewritten after every cell to <out_dir>/sweep_<axis>.json and .md.
+Results are rewritten after every cell to <out_dir>/sweep_<axis>.json and .md (sweep_<axis>_float32.* with
+--dtype=float32, so an exactness run never overwrites the bf16 matrix).
 """
 
 from __future__ import annotations
@@ -181,11 +182,16 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
                 **meta,
             }
             records.append(rec)
-            common.write_results(f"sweep_{axis}", records, COLUMNS, FLAGS.out_dir or None, {"config": config})
+            common.write_results(result_name(axis), records, COLUMNS, FLAGS.out_dir or None, {"config": config})
     bar.done()
     if any(r["context_clamped"] for r in records):
         print(f"note: contexts clamped to max_position_embeddings {max_pos} minus generation room")
     return records
+
+
+def result_name(axis: str) -> str:
+    """sweep_<axis>, suffixed with the dtype unless it is bf16 (the matrix's default)."""
+    return f"sweep_{axis}" + ("" if FLAGS.dtype == "bfloat16" else f"_{FLAGS.dtype}")
 
 
 def main(_) -> None:

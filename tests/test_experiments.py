@@ -66,9 +66,29 @@ def test_sweep_all_axes_then_report(tiny_pair, tmp_path):
     ctx = records(tmp_path / "sweep_context.json")
     assert {r["context"] for r in ctx} == {60, 2016} and any(r["context_clamped"] for r in ctx)
     assert {r["concurrency"] for r in records(tmp_path / "sweep_concurrency.json")} == {1}
+    # a float32 exactness run goes to its own file, at full f32 matmul precision, and leaves the bf16 matrix alone
+    run(
+        "sweep",
+        "--axis=context",
+        f"--target={target}",
+        f"--drafter={drafter}",
+        "--axis_budgets=4",
+        "--contexts=60",
+        "--methods=ar,ddtree",
+        "--num_prompts=1",
+        "--repeats=1",
+        "--max_new_tokens=8",
+        "--dtype=float32",
+        f"--out_dir={tmp_path}",
+    )
+    f32 = records(tmp_path / "sweep_context_float32.json")
+    assert [r["method"] for r in f32] == ["ar", "ddtree"] and all(r["correct"] is True for r in f32)
+    assert all(r["dtype"] == "float32" and r["matmul_precision"] == "highest" for r in f32)
+    assert {r["context"] for r in records(tmp_path / "sweep_context.json")} == {60, 2016}
 
     run("report", f"--results_dir={tmp_path}")
     report = (tmp_path / "REPORT.md").read_text()
+    assert "Float32 context sweep (`sweep --axis=context --dtype=float32`), matmul precision `highest`" in report
     for heading in ("Budget sweep", "Concurrency sweep", "Context sweep", "Where DDTree loses", "Published numbers"):
         assert f"## {heading}" in report
     for plot in ("acceptance_vs_budget", "tokens_per_s_vs_budget", "speedup_vs_concurrency", "acceptance_histogram"):
