@@ -242,11 +242,9 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     the same result, since both keep the sorted order. XLA sends k <= 16 to its GPU TopK kernel, which took 46 us
     per DDTree round at k = 16 over `[7, 4096]` on an H200 (the `Run<16ul, float, ...>` kernel in the breakdown at
     521a99d) while k = 32 did not show among the round's costliest kernels; `experiments.bench_tree_build
-    --topk_vocabs` times the variants. The optimization barrier keeps XLA's simplifier from folding the slice back
-    into a top-16 (it does, and the H200 breakdowns at a0329a8 and 5058c88 then show a `sort` costing ~9-14 us per
-    budget-16 round)."""
+    --topk_vocabs` times the variants."""
     if 8 < k < _WIDE_K <= x.shape[-1]:
-        values, ids = jax.lax.optimization_barrier(jax.lax.top_k(x, _WIDE_K))
+        values, ids = jax.lax.top_k(x, _WIDE_K)
         return values[..., :k], ids[..., :k]
     return jax.lax.top_k(x, k)
 
