@@ -242,7 +242,11 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     the same result, since both keep the sorted order. XLA sends k <= 16 to its GPU TopK kernel, which took 46 us
     per DDTree round at k = 16 over `[7, 4096]` on an H200 (the `Run<16ul, float, ...>` kernel in the breakdown at
     521a99d) while k = 32 did not show among the round's costliest kernels; `experiments.bench_tree_build
-    --topk_vocabs` times the variants."""
+    --topk_vocabs` times the variants. What XLA makes of it: its simplifier folds the slice back into a top-k of
+    k (seen in the compiled HLO on CPU), and on the H200 the budget-16 round then runs a `sort` in its tree step
+    (9-14 us per round in the breakdowns at a0329a8 and 5058c88) instead of the `Run<16>` kernel; bench_topk
+    measured this path at 44 us against lax.top_k's 72 (k = 16, V = 4096). An optimization barrier over the
+    TopK tuple, to keep the cut, crashes XLA's TopkDecomposer in sharded programs."""
     if 8 < k < _WIDE_K <= x.shape[-1]:
         values, ids = jax.lax.top_k(x, _WIDE_K)
         return values[..., :k], ids[..., :k]
