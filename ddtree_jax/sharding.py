@@ -234,30 +234,21 @@ def mla_attention(q, latent_cache, prefix_len, tree_mask, scale: float, value_di
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------
 
 
-_WIDE_K = 32
-
-
-def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k` over the last axis (descending; ties to the lower index), with 8 < k < 32 run as a top-32 cut to k:
-    the same result, since both keep the sorted order. XLA sends k <= 16 to its GPU TopK kernel, which took 46 us
-    per DDTree round at k = 16 over `[7, 4096]` on an H200 (the `Run<16ul, float, ...>` kernel in the breakdown at
-    521a99d) while k = 32 did not show among the round's costliest kernels; `experiments.bench_tree_build
-    --topk_vocabs` times the variants. What XLA makes of it: its simplifier folds the slice back into a top-k of
-    k (seen in the compiled HLO on CPU), and on the H200 the budget-16 round then runs a `sort` in its tree step
-    (9-14 us per round in the breakdowns at a0329a8 and 5058c88) instead of the `Run<16>` kernel; bench_topk
-    measured this path at 44 us against lax.top_k's 72 (k = 16, V = 4096). An optimization barrier over the
-    TopK tuple, to keep the cut, crashes XLA's TopkDecomposer in sharded programs."""
-    if 8 < k < _WIDE_K <= x.shape[-1]:
-        values, ids = jax.lax.top_k(x, _WIDE_K)
-        return values[..., :k], ids[..., :k]
-    return jax.lax.top_k(x, k)
+def tree_top_k(budget: int, vocab: int) -> int:
+    """Candidates per depth the DDTree is built from: the spec's K = min(budget, V), widened to 32 for
+    8 < budget < 32. The tree is the same for any K >= budget (a node of rank r needs its r better-scoring siblings
+    in the tree before it, so no rank >= budget is ever used); the width is for the GPU. On the H200 lax.top_k at
+    k = 16 ran XLA's `Run<16>` TopK kernel (46 us per round in the breakdown at 521a99d), and a top-32 cut to 16
+    was folded back by XLA's simplifier into a top-16 that ran as a `sort` (9-14 us per round at a0329a8 and
+    5058c88), while the budget-32 round's top-32 showed neither."""
+    return min(32 if 8 < budget < 32 else budget, vocab)
 
 
 def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """logits `[B, D, V]` -> (log-probs `[B, D, k]` f32 sorted descending, token ids `[B, D, k]` int32) of
     log_softmax(logits) at temperature 1; ties go to the lower token id, as `lax.top_k` does.
 
-    Without an active mesh (or with tensor=1) this is `top_k(log_softmax(logits))`. With the vocabulary
+    Without an active mesh (or with tensor=1) this is `lax.top_k(log_softmax(logits))`. With the vocabulary
     split over `tensor` it never gathers `[B, D, V]`: each shard computes its local log-Z `[B, D]`; an
     all-gather of those gives the global log-Z (logsumexp of the local ones); each shard takes its local top-k
     of the log-probs; an all-gather of the `[B, D, tensor*k]` candidates and a global top-k finish.
@@ -265,7 +256,7 @@ def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     mesh = _active
     vocab_axes = LOGICAL_AXES["vocab"]
     if mesh is None or _axis_size(mesh, vocab_axes) == 1:
-        lp, ids = top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+        lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
         return lp, ids.astype(jnp.int32)
     v_local = logits.shape[-1] // _axis_size(mesh, vocab_axes)
     k_local = min(k, v_local)  # every global top-k entry is in its shard's top-k_local
@@ -274,12 +265,12 @@ def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         lg = lg.astype(jnp.float32)
         log_z_local = jax.nn.logsumexp(lg, axis=-1)  # [b, D]
         log_z = jax.nn.logsumexp(jax.lax.all_gather(log_z_local, vocab_axes, axis=-1), axis=-1)
-        lp, ids = top_k(lg - log_z[..., None], k_local)
+        lp, ids = jax.lax.top_k(lg - log_z[..., None], k_local)
         ids = ids.astype(jnp.int32) + jax.lax.axis_index(vocab_axes) * v_local
         # Shard-major candidate order = ascending token id among equal log-probs, so top_k keeps the tie rule.
         lp_all = jax.lax.all_gather(lp, vocab_axes, axis=-1, tiled=True)
         ids_all = jax.lax.all_gather(ids, vocab_axes, axis=-1, tiled=True)
-        best, pos = top_k(lp_all, k)
+        best, pos = jax.lax.top_k(lp_all, k)
         return best, jnp.take_along_axis(ids_all, pos, axis=-1)
 
     batch = PartitionSpec(LOGICAL_AXES["batch"])

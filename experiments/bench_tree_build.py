@@ -3,8 +3,8 @@
     python -m experiments.bench_tree_build [--budgets=4,8,16,32,64] [--batches=1,8,32] [--e2e_budgets=8,16,32]
 
 Part 0 (`--warps`, bench_tree_warps.json): the kernel alone at each num_warps (what `default_warps` picks from).
-With `--topk_vocabs` (bench_topk.json): exact top-k variants of the draft distribution: lax.top_k, a full sort,
-and the engine's `sharding.top_k`.
+With `--topk_vocabs` (bench_topk.json): exact top-k variants of the draft distribution: lax.top_k and a full sort
+(the engine takes lax.top_k at `sharding.tree_top_k`'s width: 32 for budgets 9-31).
 Part 1, `build`: top-K + tree + ancestor mask from random draft logits `[B, D, V]` (the shipped drafter's D and
 vocabulary), each implementation timed as --steps dependent builds inside one program (so dispatch is not counted),
 plus whether the two return identical trees and masks. Part 2, `e2e`: generation on the shipped pair at
@@ -79,13 +79,7 @@ def _top_k_sorted(lp: jax.Array, k: int):
     return -neg[..., :k], ids[..., :k]
 
 
-def _engine_top_k(lp: jax.Array, k: int):
-    from ddtree_jax import sharding
-
-    return sharding.top_k(lp, k)
-
-
-TOPK = {"lax.top_k": jax.lax.top_k, "sort": _top_k_sorted, "sharding.top_k": _engine_top_k}
+TOPK = {"lax.top_k": jax.lax.top_k, "sort": _top_k_sorted}
 
 
 def topk_records(depth: int, vocabs: list[int], meta: dict) -> list[dict]:
