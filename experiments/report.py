@@ -381,7 +381,10 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
         out.append(
             "Long contexts: in the sweep ("
             + ", ".join(
-                f"{r['method']} at {r['context']}: {r['rows_identical']:.0%}" for r in long if r["method"] != "ar"
+                f"{r['method']}{'' if r['method'] == 'dflash' else ' b' + str(r['budget'])} at {r['context']}: "
+                f"{r['rows_identical']:.0%}"
+                for r in long
+                if r["method"] != "ar"
             )
             + " of rows identical to AR, on the GPU kernels) against `eval_acceptance` on the CPU reference kernels ("
             + ", ".join(
