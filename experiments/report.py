@@ -362,8 +362,9 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
                 out += [common.markdown_table(p["divergences"], cols)]
     long = [r for p in sweeps for r in p["records"] if r.get("axis") == "context" and r["context"] > TRAIN_SEQ_LEN]
     runs = [load(d, name) for name in contexts]
-    if f32 := load(d, "sweep_context_float32"):
-        precision = f32["config"].get("matmul_precision")
+    f32 = load(d, "sweep_context_float32")
+    precision = f32 and f32["config"].get("matmul_precision")
+    if f32:
         out += [
             "Float32 context sweep (`sweep --axis=context --dtype=float32`), matmul precision "
             + (
@@ -394,9 +395,7 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
             + (
                 "). The float32 GPU run at full f32 matmul precision is identical to AR in every row: the bf16 GPU "
                 "differences are rounding, not a kernel error."
-                if f32
-                and f32["config"].get("matmul_precision") == "highest"
-                and all(r["correct"] for r in f32["records"])
+                if precision == "highest" and all(r["correct"] for r in f32["records"])
                 else "). Until a float32 GPU run at full f32 matmul precision is identical to AR there, read the GPU "
                 "long-context cells as unverified."
             )
