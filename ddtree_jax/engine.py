@@ -270,7 +270,7 @@ def build_trees(
         tree = jax.vmap(ddtree.chain_tree)(draft_logits, root)
         return tree, _masks(tree, drafter.config.num_draft)
     # = ddtree.build_tree per row; vocab-parallel when the active mesh splits the lm_head vocabulary.
-    lp_k, ids_k = sharding.topk_logsoftmax(draft_logits, sharding.tree_top_k(spec.budget, draft_logits.shape[-1]))
+    lp_k, ids_k = sharding.topk_logsoftmax(draft_logits, min(spec.budget, draft_logits.shape[-1]))
     *fields, mask = dispatch.build_tree(lp_k, ids_k, root, spec.budget, _reference_trees)
     return ddtree.Tree(*fields), mask
 

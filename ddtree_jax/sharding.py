@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ddtree_jax import topk
 from ddtree_jax.mesh_spec import MESH_AXES, MeshSpecError, parse_mesh_spec
 from pallas_kernels import dispatch
 
@@ -234,21 +235,12 @@ def mla_attention(q, latent_cache, prefix_len, tree_mask, scale: float, value_di
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------
 
 
-def tree_top_k(budget: int, vocab: int) -> int:
-    """Candidates per depth the DDTree is built from: the spec's K = min(budget, V), widened to 32 for
-    8 < budget < 32. The tree is the same for any K >= budget (a node of rank r needs its r better-scoring siblings
-    in the tree before it, so no rank >= budget is ever used); the width is for the GPU. On the H200 lax.top_k at
-    k = 16 ran XLA's `Run<16>` TopK kernel (46 us per round in the breakdown at 521a99d), and a top-32 cut to 16
-    was folded back by XLA's simplifier into a top-16 that ran as a `sort` (9-14 us per round at a0329a8 and
-    5058c88), while the budget-32 round's top-32 showed neither."""
-    return min(32 if 8 < budget < 32 else budget, vocab)
-
-
 def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """logits `[B, D, V]` -> (log-probs `[B, D, k]` f32 sorted descending, token ids `[B, D, k]` int32) of
     log_softmax(logits) at temperature 1; ties go to the lower token id, as `lax.top_k` does.
 
-    Without an active mesh (or with tensor=1) this is `lax.top_k(log_softmax(logits))`. With the vocabulary
+    Without an active mesh (or with tensor=1) this is `lax.top_k(log_softmax(logits))`, taken chunk-wise
+    (`topk.top_k`: the same result, many short rows for the GPU instead of D long ones). With the vocabulary
     split over `tensor` it never gathers `[B, D, V]`: each shard computes its local log-Z `[B, D]`; an
     all-gather of those gives the global log-Z (logsumexp of the local ones); each shard takes its local top-k
     of the log-probs; an all-gather of the `[B, D, tensor*k]` candidates and a global top-k finish.
@@ -256,8 +248,7 @@ def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     mesh = _active
     vocab_axes = LOGICAL_AXES["vocab"]
     if mesh is None or _axis_size(mesh, vocab_axes) == 1:
-        lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
-        return lp, ids.astype(jnp.int32)
+        return topk.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
     v_local = logits.shape[-1] // _axis_size(mesh, vocab_axes)
     k_local = min(k, v_local)  # every global top-k entry is in its shard's top-k_local
 
@@ -265,8 +256,8 @@ def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         lg = lg.astype(jnp.float32)
         log_z_local = jax.nn.logsumexp(lg, axis=-1)  # [b, D]
         log_z = jax.nn.logsumexp(jax.lax.all_gather(log_z_local, vocab_axes, axis=-1), axis=-1)
-        lp, ids = jax.lax.top_k(lg - log_z[..., None], k_local)
-        ids = ids.astype(jnp.int32) + jax.lax.axis_index(vocab_axes) * v_local
+        lp, ids = topk.top_k(lg - log_z[..., None], k_local)
+        ids = ids + jax.lax.axis_index(vocab_axes) * v_local
         # Shard-major candidate order = ascending token id among equal log-probs, so top_k keeps the tie rule.
         lp_all = jax.lax.all_gather(lp, vocab_axes, axis=-1, tiled=True)
         ids_all = jax.lax.all_gather(ids, vocab_axes, axis=-1, tiled=True)

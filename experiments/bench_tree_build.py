@@ -3,8 +3,8 @@
     python -m experiments.bench_tree_build [--budgets=4,8,16,32,64] [--batches=1,8,32] [--e2e_budgets=8,16,32]
 
 Part 0 (`--warps`, bench_tree_warps.json): the kernel alone at each num_warps (what `default_warps` picks from).
-With `--topk_vocabs` (bench_topk.json): exact top-k variants of the draft distribution: lax.top_k and a full sort
-(the engine takes lax.top_k at `sharding.tree_top_k`'s width: 32 for budgets 9-31).
+With `--topk_vocabs` (bench_topk.json): exact top-k variants of the draft distribution: lax.top_k, a full sort, and
+`ddtree_jax.topk.top_k` at several chunk lengths (the engine's is `topk.CHUNK`).
 Part 1, `build`: top-K + tree + ancestor mask from random draft logits `[B, D, V]` (the shipped drafter's D and
 vocabulary), each implementation timed as --steps dependent builds inside one program (so dispatch is not counted),
 plus whether the two return identical trees and masks. Part 2, `e2e`: generation on the shipped pair at
@@ -16,6 +16,7 @@ Writes <out_dir>/bench_tree_build.json and .md.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 
@@ -25,6 +26,7 @@ import numpy as np
 from absl import app, flags
 from jax.experimental.pallas import next_power_of_2 as pl_next_pow2
 
+from ddtree_jax import topk
 from experiments import common, workload
 from experiments.progress import Progress
 
@@ -79,17 +81,19 @@ def _top_k_sorted(lp: jax.Array, k: int):
     return -neg[..., :k], ids[..., :k]
 
 
-TOPK = {"lax.top_k": jax.lax.top_k, "sort": _top_k_sorted}
+TOPK = {"lax.top_k": jax.lax.top_k, "sort": _top_k_sorted} | {
+    f"chunk{c}{'*' if c == topk.CHUNK else ''}": functools.partial(topk.top_k, chunk=c) for c in (256, 512, 1024, 2048)
+}
 
 
 def topk_records(depth: int, vocabs: list[int], meta: dict) -> list[dict]:
-    """Each exact top-k of log_softmax(logits `[B, D, V]`) at k in {8, 16, 32}: us per call inside a program, and
-    whether it equals lax.top_k."""
+    """Each exact top-k of log_softmax(logits `[B, D, V]`) at k in {8, 16, 32, 64}: us per call inside a program,
+    and whether it equals lax.top_k (method `chunkN*` is the engine's)."""
     records = []
     for vocab in vocabs:
         for batch in (int(n) for n in FLAGS.batches):
             logits, root = _inputs(batch, depth, vocab, vocab + batch)
-            for k in (8, 16, 32):
+            for k in (8, 16, 32, 64):
                 want = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
                 for name, top in TOPK.items():
                     fn = lambda lg, r, top=top, k=k: top(jax.nn.log_softmax(lg, axis=-1), k)
@@ -132,14 +136,13 @@ def build_records(gen, meta: dict) -> list[dict]:
 
 def warps_records(gen, meta: dict) -> list[dict]:
     """The kernel alone (batch 1, inputs already top-K) at each --warps: us per build, and which is the default."""
-    from ddtree_jax import sharding
     from pallas_kernels import tree_build
 
     d, vocab = gen.drafter.config.num_draft, gen.target_config.vocab_size
     records = []
     for budget in (int(b) for b in FLAGS.budgets):
         logits, root = _inputs(1, d, vocab, budget)
-        lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), sharding.tree_top_k(budget, vocab))
+        lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), min(budget, vocab))
         default = tree_build.default_warps(pl_next_pow2(budget + 1))
         for warps in (int(w) for w in FLAGS.warps):
             fn = lambda x, r, w=warps, b=budget, ids=ids: tree_build.build_tree_pallas(

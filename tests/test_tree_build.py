@@ -9,7 +9,7 @@ import pytest
 from test_engine import make_pair, random_prompts, run
 from test_tree import assert_matches_heap, heap_from_topk, logits_batch
 
-from ddtree_jax import engine, sharding
+from ddtree_jax import engine
 from ddtree_jax.tree import Tree, ancestor_mask, build_tree_from_topk
 from pallas_kernels import dispatch, tree_build
 
@@ -52,24 +52,6 @@ def test_kernel_matches_heap_and_reference(n_depth: int, budget: int, vocab: int
         heap = heap_from_topk(np.asarray(lp_k[b], np.float64), np.asarray(ids_k[b]), budget)
         assert_matches_heap(one, heap, int(roots[b]), atol=1e-5)
         np.testing.assert_array_equal(np.asarray(mask[b]), brute_force_mask(one.parents))
-
-
-@pytest.mark.parametrize(("budget", "vocab"), [(9, 40), (16, 50), (31, 33), (16, 20)])
-def test_engine_width_builds_the_spec_tree(budget: int, vocab: int) -> None:
-    """The engine builds from `sharding.tree_top_k` candidates per depth (32 for budgets 9-31, capped at V), not
-    the spec's K = min(budget, V): kernel and plain build must return the K = budget tree, bit for bit."""
-    rng = np.random.default_rng()
-    logits = jax.nn.log_softmax(jnp.asarray(logits_batch(rng, 7, vocab)), axis=-1)
-    roots = jnp.asarray(rng.integers(0, vocab, len(logits)), jnp.int32)
-    width = sharding.tree_top_k(budget, vocab)
-    assert width == min(32, vocab) > budget or width == vocab
-    want_tree, want_mask = _reference(*jax.lax.top_k(logits, min(budget, vocab)), roots, budget)
-    wide = jax.lax.top_k(logits, width)
-    *fields, mask = tree_build.build_tree_pallas(*wide, roots, budget, interpret=True)
-    wide_tree, wide_mask = _reference(*wide, roots, budget)
-    for got in ((*wide_tree, wide_mask), (*fields, mask)):
-        for g, w in zip(got, (*want_tree, want_mask), strict=True):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.parametrize(("n_depth", "budget", "k"), [(4, 16, 3), (7, 32, 4), (3, 8, 2)])

@@ -1,0 +1,42 @@
+"""Exact top-k over the last axis in rounds of per-chunk top-k, for rows too few and too long for the GPU.
+
+XLA runs `lax.top_k` one thread block per row: the DDTree's `[B, D, V]` draft distribution at batch 1 is D = 7
+rows, so 7 of the H200's 132 SMs scan the whole vocabulary, and at k > 16 the TopK becomes a full sort of each
+row (H200 breakdown at 425828f: 21 us per round at V = 4096, k = 32). Splitting each row into chunks, taking the
+top-k of every chunk (D * V / chunk short rows, in parallel), and repeating on the concatenated winners until one
+chunk is left gives the same values and indices bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CHUNK = 512  # row length per round; experiments/bench_tree_build.py --topk_vocabs times others
+
+
+def top_k(x: jax.Array, k: int, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` bit for bit (x `[..., n]` float -> values `[..., k]` descending, int32 indices `[..., k]`,
+    equal values in ascending index order), computed chunk-wise when n > max(chunk, 4k) (the chunk length used).
+
+    Exact because every entry of the top-k (under value desc, index asc) is in its own chunk's top-k, and the
+    winners are concatenated chunk by chunk, each chunk's in that same order, so among equal values a candidate's
+    position still ascends with its index. A short last chunk is padded with -inf, which ranks after every real
+    entry of the same value (its index is higher), so padding is never returned when n >= k.
+    """
+    n = x.shape[-1]
+    if k > n:
+        raise ValueError(f"top_k: k = {k} exceeds the row length {n}")
+    chunk = max(chunk, 4 * k)  # each round shrinks the rows at least 4x
+    lead = x.shape[:-1]
+    ids = None  # [..., m] original index of each candidate; None: the candidates are x itself
+    while x.shape[-1] > chunk:
+        m = x.shape[-1]
+        pad = -m % chunk
+        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)], constant_values=-jnp.inf)
+        vals, pos = jax.lax.top_k(x.reshape(*lead, (m + pad) // chunk, chunk), k)
+        pos = (pos + chunk * jnp.arange((m + pad) // chunk, dtype=pos.dtype)[:, None]).reshape(*lead, -1)
+        x = vals.reshape(*lead, -1)
+        ids = pos if ids is None else jnp.take_along_axis(jnp.pad(ids, [(0, 0)] * len(lead) + [(0, pad)]), pos, -1)
+    vals, pos = jax.lax.top_k(x, k)
+    return vals, (pos if ids is None else jnp.take_along_axis(ids, pos, -1)).astype(jnp.int32)
