@@ -92,6 +92,7 @@ def budget_section(p: dict, d: Path) -> list[str]:
             line += f"{100 * margin:+.1f}% over it)"
         beats = all(best["tokens_per_s"] > r["tokens_per_s"] for r in ar + chain)
         out.append(line + (". DDTree beats both." if beats else ". DDTree does NOT beat both here."))
+        out += repeat_lines(p, d)
         for key, label, name in [
             ("tokens_per_round", "acceptance length (tokens / round)", "acceptance_vs_budget"),
             ("tokens_per_s", "tokens / s", "tokens_per_s_vs_budget"),
@@ -114,6 +115,41 @@ def budget_section(p: dict, d: Path) -> list[str]:
         ax.legend()
         out.append(save(fig, d, "acceptance_histogram"))
     return out
+
+
+def repeat_lines(p: dict, d: Path) -> list[str]:
+    """The same budget sweep run again (`sweep_budget_run*.json`, earlier runs kept beside the shown one): per run,
+    AR, the chain and the best DDTree budget, so the margin can be read against run-to-run spread."""
+    runs = [(f.stem, json.loads(f.read_text())) for f in sorted(d.glob("sweep_budget_run*.json"))]
+    if not runs:
+        return []
+    rows = []
+    for name, run in [*runs, ("sweep_budget (shown above)", p)]:
+        recs = run["records"]
+        ar, chain, tree = by_method(recs, "ar"), by_method(recs, "dflash"), by_method(recs, "ddtree")
+        if not (ar and chain and tree):
+            continue
+        best = max(tree, key=lambda r: r["tokens_per_s"])
+        rows.append(
+            {
+                "run": name,
+                "commit": run["meta"]["commit"][:7],
+                "date": run["meta"]["date"],
+                "repeats": run["config"]["repeats"],
+                "ar": round(ar[0]["tokens_per_s"]),
+                "chain": round(chain[0]["tokens_per_s"]),
+                "best_budget": best["budget"],
+                "best_ddtree": round(best["tokens_per_s"]),
+                "best_vs_chain": round(best["tokens_per_s"] / chain[0]["tokens_per_s"], 3),
+            }
+        )
+    ratios = [r["best_vs_chain"] for r in rows]
+    return [
+        "Every run of this budget sweep kept in this directory (medians over `repeats` timed runs each; run-to-run "
+        f"spread is the noise floor for the margin above): best DDTree / chain from {min(ratios):.3f} to "
+        f"{max(ratios):.3f}, above 1 in {sum(x > 1 for x in ratios)} of {len(ratios)} runs.",
+        common.markdown_table(rows, list(rows[0])),
+    ]
 
 
 def concurrency_section(p: dict, d: Path) -> list[str]:
@@ -360,6 +396,16 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
                 cols = ["method", "row", "position", "ar_token", "token", "gap", "gap_f32"]
                 out += ["First differing positions and the target's logit gap there:"]
                 out += [common.markdown_table(p["divergences"], cols)]
+    if f32_short := load(d, "sweep_budget_float32"):
+        out += [
+            "Float32 budget sweep (`sweep --axis=budget --dtype=float32`, matmul precision "
+            f"`{f32_short['config'].get('matmul_precision')}`; the MoE runs on the reference, so its timings are not "
+            "comparable):",
+            meta_line(f32_short),
+            common.markdown_table(
+                f32_short["records"], ["method", "budget", "tokens_per_round", "correct", "rows_identical"]
+            ),
+        ]
     long = [r for p in sweeps for r in p["records"] if r.get("axis") == "context" and r["context"] > TRAIN_SEQ_LEN]
     runs = [load(d, name) for name in contexts]
     f32 = load(d, "sweep_context_float32")
