@@ -6,13 +6,14 @@
     python -m experiments.sweep --axis=budget,concurrency,context   # all three in one process
 
 Per cell (method, budget, concurrency B, context): the prompts are cut to the context length and run as
-ceil(num_prompts / B) batches of B rows (prompts cycled), each batch once to warm up, then `repeats` times. Every
-cell's program is compiled up front, `--compile_workers` at a time. wall_s is the sum over batches of the median
-wall time (compilation excluded). tokens_per_s is aggregate
+ceil(num_prompts / B) batches of B rows (prompts cycled); each batch of each method once to warm up, then `repeats`
+rounds that time every method of the (B, context) point in turn (interleaved, so drift hits all methods alike).
+Every cell's program is compiled up front, `--compile_workers` at a time. wall_s is the sum over batches of the
+median wall time (compilation excluded). tokens_per_s is aggregate
 (generated tokens / wall_s); tokens_per_s_per_request the mean over rows of row tokens / batch wall time;
 tokens_per_round the acceptance length (committed tokens per round, bonus included); speedup is over AR measured
 in the same run at the same (B, context); `correct` says the greedy outputs equal AR's token for token.
-Results are rewritten after every cell to <out_dir>/sweep_<axis>.json and .md (sweep_<axis>_float32.* with
+Results are rewritten after every (B, context) point to <out_dir>/sweep_<axis>.json and .md (sweep_<axis>_float32.* with
 --dtype=float32, so an exactness run never overwrites the bf16 matrix).
 """
 
@@ -78,17 +79,30 @@ def _gen_kwargs(method: str, budget: int) -> dict:
     return {"method": method, "budget": budget, "max_new_tokens": FLAGS.max_new_tokens, "ignore_eos": FLAGS.ignore_eos}
 
 
-def measure(gen, batches: list[list[list[int]]], method: str, budget: int, repeats: int) -> dict:
-    """Run every batch (once untimed, then `repeats` times) -> stats of the cell and the generated rows.
-    compile_s: the seconds its program took to compile (with `--compile_workers` > 1, overlapping others)."""
-    kw = _gen_kwargs(method, budget)
-    wall, rows, per_request, committed, rounds, specs = 0.0, [], [], 0, 0, set()
-    hist = None
-    for batch in batches:
-        first = gen.generate(batch, **kw)
-        specs.add(first.spec)
-        med = statistics.median(gen.generate(batch, **kw).wall_s for _ in range(repeats))
-        wall += med
+def measure_group(gen, batches: list[list[list[int]]], methods: list[tuple[str, int]], repeats: int, bar) -> list[dict]:
+    """Every (method, budget) of a group on the same batches, timed interleaved: each batch of each method runs once
+    untimed, then `repeats` rounds each run every (method, batch) once in turn, so drift during the run (clocks,
+    heat, a neighbour on the host) falls on all methods alike. -> per method, in order: stats of the cell and the
+    generated rows. compile_s: the seconds its program took to compile (with `--compile_workers` > 1, overlapping
+    others)."""
+    kws = [_gen_kwargs(m, b) for m, b in methods]
+    firsts = []
+    for (method, budget), kw in zip(methods, kws, strict=True):
+        bar.step(f"{method} b={budget} warm-up")
+        firsts.append([gen.generate(batch, **kw) for batch in batches])
+    times = [[[] for _ in batches] for _ in methods]
+    for r in range(repeats):
+        bar.step(f"round {r + 1}/{repeats}")
+        for i, kw in enumerate(kws):
+            for j, batch in enumerate(batches):
+                times[i][j].append(gen.generate(batch, **kw).wall_s)
+    return [cell_stats(gen, first, [statistics.median(t) for t in ts]) for first, ts in zip(firsts, times, strict=True)]
+
+
+def cell_stats(gen, firsts: list, medians: list[float]) -> dict:
+    """One cell from its untimed runs (outputs, acceptance) and the median wall time of each batch."""
+    rows, per_request, committed, rounds, hist = [], [], 0, 0, None
+    for first, med in zip(firsts, medians, strict=True):
         rows += first.tokens
         per_request += [len(t) / med for t in first.tokens]
         for st in first.stats:
@@ -96,10 +110,10 @@ def measure(gen, batches: list[list[list[int]]], method: str, budget: int, repea
             rounds += st["rounds"]
             h = np.asarray(st["accept_hist"])
             hist = h if hist is None else hist + h
-    tokens = sum(len(t) for t in rows)
+    wall, tokens = sum(medians), sum(len(t) for t in rows)
     return {
         "wall_s": wall,
-        "compile_s": sum(gen.compile_seconds[sp] for sp in specs),
+        "compile_s": sum(gen.compile_seconds[sp] for sp in {f.spec for f in firsts}),
         "tokens": tokens,
         "tokens_per_s": tokens / wall,
         "tokens_per_s_per_request": float(np.mean(per_request)),
@@ -157,14 +171,13 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
     """All cells of one axis -> records (also written to sweep_<axis>.json/.md after every cell)."""
     max_pos = gen.target_config.max_position_embeddings
     records = []
-    bar = Progress(sum(len(g.methods) for g in groups), f"sweep {axis}")
+    bar = Progress(sum(1 + len(g.methods) + FLAGS.repeats for g in groups), f"sweep {axis}")
     for conc, ctx, requested, batches, methods in groups:
-        for method, budget in methods:
-            bar.step(f"{method} b={budget} B={conc} ctx={ctx}")
-            stats = measure(gen, batches, method, budget, FLAGS.repeats)
+        bar.step(f"B={conc} ctx={ctx}")
+        cells_ = measure_group(gen, batches, methods, FLAGS.repeats, bar)
+        ar_stats, ar_rows = cells_[0], cells_[0]["rows"]  # plan_axis puts ar first
+        for (method, budget), stats in zip(methods, cells_, strict=True):
             out_rows = stats.pop("rows")
-            if method == "ar":
-                ar_stats, ar_rows = stats, out_rows
             same = [a == b for a, b in zip(ar_rows, out_rows, strict=True)]
             rec = {
                 "axis": axis,
@@ -182,7 +195,7 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
                 **meta,
             }
             records.append(rec)
-            common.write_results(result_name(axis), records, COLUMNS, FLAGS.out_dir or None, {"config": config})
+        common.write_results(result_name(axis), records, COLUMNS, FLAGS.out_dir or None, {"config": config})
     bar.done()
     if any(r["context_clamped"] for r in records):
         print(f"note: contexts clamped to max_position_embeddings {max_pos} minus generation room")

@@ -235,3 +235,32 @@ def test_divergence_finds_the_first_difference_and_the_target_gap_there():
     want = logits[-1, ref[pos]] - logits[-1, out[pos]]
     assert (row["position"], row["ar_token"], row["token"]) == (pos, ref[pos], out[pos])
     assert row["gap"] == row["gap_f32"] == pytest.approx(want, abs=2e-3)
+
+
+def test_sweep_times_methods_interleaved(monkeypatch):
+    """After one untimed run per (method, batch), each timing round runs every method once in turn; a cell's wall
+    time is the sum over batches of the median, so a slow spell in one round cannot land on one method only."""
+    from types import SimpleNamespace
+
+    from experiments import sweep
+
+    calls, clock = [], iter(range(1, 1000))
+
+    class FakeGen:
+        compile_seconds = {("ar",): 1.0, ("ddtree",): 2.0}
+
+        def generate(self, batch, method, budget, **_):
+            calls.append((method, batch[0][0]))
+            stats = [{"tokens_per_round": 2.0, "rounds": 3, "accept_hist": [0, 3]}]
+            return SimpleNamespace(tokens=[[7] * 6], stats=stats, spec=(method,), wall_s=float(next(clock)))
+
+    monkeypatch.setattr(sweep, "_gen_kwargs", lambda method, budget: {"method": method, "budget": budget})
+    bar = SimpleNamespace(step=lambda _: None)
+    batches = [[[10]], [[20]]]
+    ar, dd = sweep.measure_group(FakeGen(), batches, [("ar", 1), ("ddtree", 8)], 3, bar)
+    warm = [("ar", 10), ("ar", 20), ("ddtree", 10), ("ddtree", 20)]
+    assert calls == warm + warm * 3
+    # timed calls get wall times 5, 6, 7, 8 | 9, 10, 11, 12 | 13, 14, 15, 16 in that order: medians per batch
+    assert ar["wall_s"] == 9 + 10 and dd["wall_s"] == 11 + 12
+    assert ar["tokens_per_s"] == 12 / 19 and dd["compile_s"] == 2.0 and dd["tokens_per_round"] == 2.0
+    assert dd["accept_hist"] == [0, 6] and ar["rows"] == [[7] * 6, [7] * 6]
