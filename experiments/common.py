@@ -59,6 +59,24 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10) -> flo
     return statistics.median(times)
 
 
+def time_interleaved(gen, batches: list, kws: list[dict], repeats: int, step: Callable[[str], Any]) -> list[tuple]:
+    """Every generation setting of `kws` (keywords of `gen.generate`) on the same batches, timed interleaved: each
+    batch of each setting runs once untimed, then `repeats` rounds each run every (setting, batch) once in turn, so
+    drift during the run (clocks, heat, a neighbour on the host) falls on all settings alike.
+    -> per setting, in order: (its untimed results, one per batch; the median wall time of each batch)."""
+    firsts = []
+    for kw in kws:
+        step(f"{kw.get('method')} b={kw.get('budget')} warm-up")
+        firsts.append([gen.generate(batch, **kw) for batch in batches])
+    times = [[[] for _ in batches] for _ in kws]
+    for r in range(repeats):
+        step(f"round {r + 1}/{repeats}")
+        for i, kw in enumerate(kws):
+            for j, batch in enumerate(batches):
+                times[i][j].append(gen.generate(batch, **kw).wall_s)
+    return [(first, [statistics.median(t) for t in ts]) for first, ts in zip(firsts, times, strict=True)]
+
+
 def time_back_to_back(call, warmup: int, steps: int) -> float:
     """Mean seconds per `call()` dispatched `steps` times without waiting in between, as a program's rounds run (a
     call timed alone would add a host round trip that the rounds do not pay)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 from typing import NamedTuple
 
 import numpy as np
@@ -77,26 +76,6 @@ def clamp_context(requested: int, max_pos: int, max_new: int, depth: int) -> int
 
 def _gen_kwargs(method: str, budget: int) -> dict:
     return {"method": method, "budget": budget, "max_new_tokens": FLAGS.max_new_tokens, "ignore_eos": FLAGS.ignore_eos}
-
-
-def measure_group(gen, batches: list[list[list[int]]], methods: list[tuple[str, int]], repeats: int, bar) -> list[dict]:
-    """Every (method, budget) of a group on the same batches, timed interleaved: each batch of each method runs once
-    untimed, then `repeats` rounds each run every (method, batch) once in turn, so drift during the run (clocks,
-    heat, a neighbour on the host) falls on all methods alike. -> per method, in order: stats of the cell and the
-    generated rows. compile_s: the seconds its program took to compile (with `--compile_workers` > 1, overlapping
-    others)."""
-    kws = [_gen_kwargs(m, b) for m, b in methods]
-    firsts = []
-    for (method, budget), kw in zip(methods, kws, strict=True):
-        bar.step(f"{method} b={budget} warm-up")
-        firsts.append([gen.generate(batch, **kw) for batch in batches])
-    times = [[[] for _ in batches] for _ in methods]
-    for r in range(repeats):
-        bar.step(f"round {r + 1}/{repeats}")
-        for i, kw in enumerate(kws):
-            for j, batch in enumerate(batches):
-                times[i][j].append(gen.generate(batch, **kw).wall_s)
-    return [cell_stats(gen, first, [statistics.median(t) for t in ts]) for first, ts in zip(firsts, times, strict=True)]
 
 
 def cell_stats(gen, firsts: list, medians: list[float]) -> dict:
@@ -174,7 +153,9 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
     bar = Progress(sum(1 + len(g.methods) + FLAGS.repeats for g in groups), f"sweep {axis}")
     for conc, ctx, requested, batches, methods in groups:
         bar.step(f"B={conc} ctx={ctx}")
-        cells_ = measure_group(gen, batches, methods, FLAGS.repeats, bar)
+        kws = [_gen_kwargs(m, bud) for m, bud in methods]
+        timed = common.time_interleaved(gen, batches, kws, FLAGS.repeats, bar.step)
+        cells_ = [cell_stats(gen, firsts, medians) for firsts, medians in timed]
         ar_stats, ar_rows = cells_[0], cells_[0]["rows"]  # plan_axis puts ar first
         for (method, budget), stats in zip(methods, cells_, strict=True):
             out_rows = stats.pop("rows")

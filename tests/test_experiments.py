@@ -237,30 +237,24 @@ def test_divergence_finds_the_first_difference_and_the_target_gap_there():
     assert row["gap"] == row["gap_f32"] == pytest.approx(want, abs=2e-3)
 
 
-def test_sweep_times_methods_interleaved(monkeypatch):
-    """After one untimed run per (method, batch), each timing round runs every method once in turn; a cell's wall
-    time is the sum over batches of the median, so a slow spell in one round cannot land on one method only."""
+def test_timing_is_interleaved():
+    """After one untimed run per (setting, batch), each timing round runs every setting once in turn; a batch's time
+    is its median over rounds, so a slow spell in one round cannot land on one setting only."""
     from types import SimpleNamespace
 
-    from experiments import sweep
+    from experiments import common
 
     calls, clock = [], iter(range(1, 1000))
 
     class FakeGen:
-        compile_seconds = {("ar",): 1.0, ("ddtree",): 2.0}
+        def generate(self, batch, method, budget):
+            calls.append((method, budget, batch[0][0]))
+            return SimpleNamespace(wall_s=float(next(clock)))
 
-        def generate(self, batch, method, budget, **_):
-            calls.append((method, batch[0][0]))
-            stats = [{"tokens_per_round": 2.0, "rounds": 3, "accept_hist": [0, 3]}]
-            return SimpleNamespace(tokens=[[7] * 6], stats=stats, spec=(method,), wall_s=float(next(clock)))
-
-    monkeypatch.setattr(sweep, "_gen_kwargs", lambda method, budget: {"method": method, "budget": budget})
-    bar = SimpleNamespace(step=lambda _: None)
-    batches = [[[10]], [[20]]]
-    ar, dd = sweep.measure_group(FakeGen(), batches, [("ar", 1), ("ddtree", 8)], 3, bar)
-    warm = [("ar", 10), ("ar", 20), ("ddtree", 10), ("ddtree", 20)]
+    kws = [{"method": "ar", "budget": 1}, {"method": "ddtree", "budget": 8}]
+    (ar_first, ar_med), (dd_first, dd_med) = common.time_interleaved(FakeGen(), [[[10]], [[20]]], kws, 3, print)
+    warm = [("ar", 1, 10), ("ar", 1, 20), ("ddtree", 8, 10), ("ddtree", 8, 20)]
     assert calls == warm + warm * 3
+    assert [f.wall_s for f in ar_first + dd_first] == [1, 2, 3, 4]  # the untimed runs, returned for their outputs
     # timed calls get wall times 5, 6, 7, 8 | 9, 10, 11, 12 | 13, 14, 15, 16 in that order: medians per batch
-    assert ar["wall_s"] == 9 + 10 and dd["wall_s"] == 11 + 12
-    assert ar["tokens_per_s"] == 12 / 19 and dd["compile_s"] == 2.0 and dd["tokens_per_round"] == 2.0
-    assert dd["accept_hist"] == [0, 6] and ar["rows"] == [[7] * 6, [7] * 6]
+    assert ar_med == [9, 10] and dd_med == [11, 12]
