@@ -54,10 +54,11 @@ def generate_ar(target: KimiForCausalLM, prompts: np.ndarray, plen: np.ndarray) 
     return [np.asarray(out.tokens[b, : out.n_out[b]]).tolist() for b in range(spec.batch)]
 
 
-def vocab_sharded_trees(mesh) -> dict:
-    """Trees from random logits `[B, D, V]` (ties included) built from vocab-sharded top-K vs full logits."""
+def vocab_sharded_trees(mesh, vocab: int) -> dict:
+    """Trees from random logits `[B, D, vocab]` (ties included) built from vocab-sharded top-K vs full logits; a vocab
+    whose shards are longer than `topk.CHUNK` takes the chunk-wise top-k inside each shard."""
     rng = np.random.default_rng(5)
-    logits = rng.standard_normal((4, 7, CFG.vocab_size)).astype(np.float32)
+    logits = rng.standard_normal((4, 7, vocab)).astype(np.float32)
     logits[0, :, ::3] = 1.5  # many exactly tied tokens across shards
     logits[1, 2, 10:] = -np.inf  # a depth with few finite tokens
     root = jnp.arange(4, dtype=jnp.int32)
@@ -124,7 +125,8 @@ def main(specs: list[str], out_dir: Path) -> None:
             "logits_scale": float(np.abs(base_logits).max()),
             "ddtree": ddt.tokens,
             "ddtree_tau": float(np.mean([s["tokens_per_round"] for s in ddt.stats])),
-            "tree": vocab_sharded_trees(mesh) if mesh.shape["tensor"] > 1 else None,
+            "tree": vocab_sharded_trees(mesh, CFG.vocab_size) if mesh.shape["tensor"] > 1 else None,
+            "tree_chunked": vocab_sharded_trees(mesh, 8192) if mesh.shape["tensor"] > 1 else None,
             "loader": loader_placement(mesh, ckpt),
         }
     print(json.dumps(results))

@@ -68,8 +68,9 @@ def test_greedy_ddtree_equals_single_device_ar(sharded, mesh):
 
 
 @pytest.mark.parametrize("mesh", [m for m in MESHES if "tensor=1" not in m and "tensor" in m])
-def test_tree_from_vocab_sharded_logits_equals_full(sharded, mesh):
-    tree = sharded[mesh]["tree"]
+@pytest.mark.parametrize("key", ["tree", "tree_chunked"])  # vocab 96, and 8192: shards past topk.CHUNK
+def test_tree_from_vocab_sharded_logits_equals_full(sharded, mesh, key):
+    tree = sharded[mesh][key]
     assert tree["structure_equal"]
     assert tree["score_max_diff"] < 1e-5
     assert tree["n_valid"] > 40  # 4 rows x 12 nodes, a few missing in the row with -inf logits
