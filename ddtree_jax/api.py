@@ -20,7 +20,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from ddtree_jax import engine, sharding
+from ddtree_jax import engine, sharding, topk
 from ddtree_jax.config import check_pair
 from ddtree_jax.errors import NumericsError
 from ddtree_jax.models.dflash import DFlashDrafter
@@ -119,10 +119,15 @@ class Generator:
         to `precompile` it."""
         return self.spec(max(len(prompts), pad_batch_to or 0), max(len(p) for p in prompts), **settings)
 
+    @staticmethod
+    def _key(spec: engine.GenSpec) -> tuple:
+        """A program keeps the kernels and the top-k chunk length it was traced with."""
+        return spec, dispatch.state(), topk.CHUNK
+
     def compiled(self, spec: engine.GenSpec):
         """The compiled program for `spec` under the current kernel selection (`pallas_kernels.dispatch`) and the
         seconds spent compiling it now (0 if cached)."""
-        key = (spec, dispatch.state())  # a program keeps the kernels it was traced with
+        key = self._key(spec)
         if key in self._compiled:
             return self._compiled[key], 0.0
         t0 = time.perf_counter()
@@ -137,7 +142,7 @@ class Generator:
     def precompile(self, specs: Sequence[engine.GenSpec], workers: int) -> float:
         """Compile the `specs` not cached yet on `workers` threads (XLA compiles outside the GIL, so a many-core
         host overlaps them). Returns the wall seconds; each program's own time goes to `compile_seconds`."""
-        todo = list(dict.fromkeys(s for s in specs if (s, dispatch.state()) not in self._compiled))
+        todo = list(dict.fromkeys(s for s in specs if self._key(s) not in self._compiled))
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(self.compiled, todo))

@@ -11,15 +11,34 @@ and the loop's own cost included).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 
-CHUNK = 512  # row length per round; experiments/bench_tree_build.py --topk_vocabs times others
+# Row length per round, read when a program is traced (part of `api.Generator`'s program key); 0: plain lax.top_k.
+# experiments/bench_tree_build.py --topk_vocabs times lengths alone, experiments/ab_topk.py in generation.
+CHUNK = 512
 
 
-def top_k(x: jax.Array, k: int, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+@contextlib.contextmanager
+def chunk_length(chunk: int) -> Iterator[None]:
+    """Trace programs with `CHUNK = chunk` inside the block (0: plain `lax.top_k`)."""
+    global CHUNK
+    if chunk < 0:
+        raise ValueError(f"chunk length must be >= 0, got {chunk}")
+    saved, CHUNK = CHUNK, chunk
+    try:
+        yield
+    finally:
+        CHUNK = saved
+
+
+def top_k(x: jax.Array, k: int, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k(x, k)` bit for bit (x `[..., n]` float -> values `[..., k]` descending, int32 indices `[..., k]`,
-    equal values in ascending index order), computed chunk-wise when n > max(chunk, 4k) (the chunk length used).
+    equal values in ascending index order), computed chunk-wise when n > max(chunk, 4k) (the chunk length used;
+    `chunk` defaults to `CHUNK`, and 0 takes `lax.top_k` itself).
 
     Exact because every entry of the top-k (under value desc, index asc) is in its own chunk's top-k, and the
     winners are concatenated chunk by chunk, each chunk's in that same order, so among equal values a candidate's
@@ -29,6 +48,10 @@ def top_k(x: jax.Array, k: int, chunk: int = CHUNK) -> tuple[jax.Array, jax.Arra
     n = x.shape[-1]
     if k > n:
         raise ValueError(f"top_k: k = {k} exceeds the row length {n}")
+    chunk = CHUNK if chunk is None else chunk
+    if chunk == 0:
+        vals, pos = jax.lax.top_k(x, k)
+        return vals, pos.astype(jnp.int32)
     chunk = max(chunk, 4 * k)  # each round shrinks the rows at least 4x
     lead = x.shape[:-1]
     ids = None  # [..., m] original index of each candidate; None: the candidates are x itself

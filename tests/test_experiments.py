@@ -258,3 +258,26 @@ def test_timing_is_interleaved():
     assert [f.wall_s for f in ar_first + dd_first] == [1, 2, 3, 4]  # the untimed runs, returned for their outputs
     # timed calls get wall times 5, 6, 7, 8 | 9, 10, 11, 12 | 13, 14, 15, 16 in that order: medians per batch
     assert ar_med == [9, 10] and dd_med == [11, 12]
+
+
+def test_ab_topk(tiny_pair, tmp_path):
+    """Chunk 0 (lax.top_k) and a chunk shorter than the tiny vocabulary: separate programs, the same outputs and
+    acceptance (the two top-k forms return the same candidates)."""
+    target, drafter = tiny_pair
+    run(
+        "ab_topk",
+        f"--target={target}",
+        f"--drafter={drafter}",
+        "--budgets=4",
+        "--chunks=0,16",
+        "--num_prompts=2",
+        "--repeats=1",
+        "--max_new_tokens=8",
+        "--compile_workers=2",
+        f"--out_dir={tmp_path}",
+    )
+    ar, chain, lax_tree, chunked = records(tmp_path / "ab_topk.json")
+    assert (ar["method"], chain["method"], lax_tree["chunk"], chunked["chunk"]) == ("ar", "dflash", 0, 16)
+    assert all(r["identical"] is True and r["tokens_per_s"] > 0 for r in (ar, chain, lax_tree, chunked))
+    assert lax_tree["tokens_per_round"] == chunked["tokens_per_round"]  # vocab 97: three chunks, one padded
+    assert lax_tree["vs_lax"] == 1.0 and chunked["vs_lax"] > 0
