@@ -49,10 +49,7 @@ def top_k(x: jax.Array, k: int, chunk: int | None = None) -> tuple[jax.Array, ja
     if k > n:
         raise ValueError(f"top_k: k = {k} exceeds the row length {n}")
     chunk = CHUNK if chunk is None else chunk
-    if chunk == 0:
-        vals, pos = jax.lax.top_k(x, k)
-        return vals, pos.astype(jnp.int32)
-    chunk = max(chunk, 4 * k)  # each round shrinks the rows at least 4x
+    chunk = max(chunk, 4 * k) if chunk else n  # each round shrinks the rows at least 4x; 0: no rounds
     lead = x.shape[:-1]
     ids = None  # [..., m] original index of each candidate; None: the candidates are x itself
     while x.shape[-1] > chunk:

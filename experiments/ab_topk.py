@@ -64,30 +64,34 @@ def main(_) -> None:
         {"method": m, "budget": b, "chunk": c, "max_new_tokens": FLAGS.max_new_tokens, "ignore_eos": True}
         for m, b, c in settings
     ]
-    for c in dict.fromkeys(s[2] for s in settings):
+    for c in dict.fromkeys(chunk for *_, chunk in settings):
         with topk.chunk_length(c):
             specs = [
-                gen.spec_for(batches[0], temperature=0.0, **{k: v for k, v in kw.items() if k != "chunk"}) for kw in kws
+                gen.spec_for(batches[0], temperature=0.0, **{k: v for k, v in kw.items() if k != "chunk"})
+                for kw in kws
+                if kw["chunk"] == c
             ]
-            gen.precompile([s for s, kw in zip(specs, kws, strict=True) if kw["chunk"] == c], FLAGS.compile_workers)
+            gen.precompile(specs, FLAGS.compile_workers)
     bar = Progress(len(kws) + FLAGS.repeats, "ab_topk")
     timed = common.time_interleaved(_ChunkedGen(gen), batches, kws, FLAGS.repeats, bar.step)
     bar.done()
-    meta = common.metadata()
-    rows = []
-    for (method, budget, chunk), (firsts, medians) in zip(settings, timed, strict=True):
-        stats = [s for f in firsts for s in f.stats]
-        tokens = [t for f in firsts for t in f.tokens]
-        rounds = sum(s["rounds"] for s in stats)
-        committed = sum(s["tokens_per_round"] * s["rounds"] for s in stats)
+    cells = [common.cell_stats(gen, firsts, medians) for firsts, medians in timed]
+    ar_rows, chain_tps = cells[0]["rows"], cells[1]["tokens_per_s"]
+    lax_tps = {
+        b: c["tokens_per_s"] for (m, b, chunk), c in zip(settings, cells, strict=True) if m == "ddtree" and chunk == 0
+    }
+    meta, rows = common.metadata(), []
+    for (method, budget, chunk), cell in zip(settings, cells, strict=True):
         rows.append(
             {
                 "method": method,
                 "budget": budget,
                 "chunk": chunk,
-                "tokens_per_round": committed / rounds,
-                "tokens_per_s": sum(len(t) for t in tokens) / sum(medians),
-                "tokens": tokens,
+                "tokens_per_round": cell["tokens_per_round"],
+                "tokens_per_s": cell["tokens_per_s"],
+                "vs_chain": cell["tokens_per_s"] / chain_tps,
+                "vs_lax": cell["tokens_per_s"] / lax_tps[budget] if method == "ddtree" and lax_tps else None,
+                "identical": cell["rows"] == ar_rows,
                 "prompt_source": source,
                 "concurrency": 1,
                 "context": FLAGS.context,
@@ -96,13 +100,6 @@ def main(_) -> None:
                 **meta,
             }
         )
-    ar, chain = rows[0], rows[1]
-    lax_tps = {r["budget"]: r["tokens_per_s"] for r in rows[2:] if r["chunk"] == 0}
-    for r in rows:
-        r["identical"] = r.pop("tokens") == ar["tokens"] if r is not ar else True
-        r["vs_chain"] = r["tokens_per_s"] / chain["tokens_per_s"]
-        r["vs_lax"] = r["tokens_per_s"] / lax_tps[r["budget"]] if r["method"] == "ddtree" and lax_tps else None
-    ar.pop("tokens", None)
     common.write_results("ab_topk", rows, COLUMNS, FLAGS.out_dir or None)
     print(common.markdown_table(rows, COLUMNS))
 

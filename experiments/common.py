@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -75,6 +76,32 @@ def time_interleaved(gen, batches: list, kws: list[dict], repeats: int, step: Ca
             for j, batch in enumerate(batches):
                 times[i][j].append(gen.generate(batch, **kw).wall_s)
     return [(first, [statistics.median(t) for t in ts]) for first, ts in zip(firsts, times, strict=True)]
+
+
+def cell_stats(gen, firsts: list, medians: list[float]) -> dict:
+    """One cell from its untimed `gen.generate` results (outputs, acceptance; one per batch) and the median wall time
+    of each batch (`time_interleaved`'s pair) -> its stats and generated rows. compile_s: the seconds its program took
+    to compile (overlapping others when several compile at once)."""
+    rows, per_request, committed, rounds, hist = [], [], 0, 0, None
+    for first, med in zip(firsts, medians, strict=True):
+        rows += first.tokens
+        per_request += [len(t) / med for t in first.tokens]
+        for st in first.stats:
+            committed += st["tokens_per_round"] * st["rounds"]
+            rounds += st["rounds"]
+            h = np.asarray(st["accept_hist"])
+            hist = h if hist is None else hist + h
+    wall, tokens = sum(medians), sum(len(t) for t in rows)
+    return {
+        "wall_s": wall,
+        "compile_s": sum(gen.compile_seconds[sp] for sp in {f.spec for f in firsts}),
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_s_per_request": float(np.mean(per_request)),
+        "tokens_per_round": committed / rounds if rounds else 0.0,
+        "accept_hist": hist.tolist(),
+        "rows": rows,
+    }
 
 
 def time_back_to_back(call, warmup: int, steps: int) -> float:

@@ -120,7 +120,7 @@ def budget_section(p: dict, d: Path) -> list[str]:
 def repeat_lines(p: dict, d: Path) -> list[str]:
     """The same budget sweep run again (`sweep_budget_run*.json`, earlier runs kept beside the shown one): per run,
     AR, the chain and the best DDTree budget, so the margin can be read against run-to-run spread."""
-    runs = [(f.stem, json.loads(f.read_text())) for f in sorted(d.glob("sweep_budget_run*.json"))]
+    runs = [(f.stem, load(d, f.stem)) for f in sorted(d.glob("sweep_budget_run*.json"))]
     if not runs:
         return []
     rows = []

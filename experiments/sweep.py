@@ -23,7 +23,6 @@ import math
 import os
 from typing import NamedTuple
 
-import numpy as np
 from absl import app, flags
 
 from experiments import common, workload
@@ -76,30 +75,6 @@ def clamp_context(requested: int, max_pos: int, max_new: int, depth: int) -> int
 
 def _gen_kwargs(method: str, budget: int) -> dict:
     return {"method": method, "budget": budget, "max_new_tokens": FLAGS.max_new_tokens, "ignore_eos": FLAGS.ignore_eos}
-
-
-def cell_stats(gen, firsts: list, medians: list[float]) -> dict:
-    """One cell from its untimed runs (outputs, acceptance) and the median wall time of each batch."""
-    rows, per_request, committed, rounds, hist = [], [], 0, 0, None
-    for first, med in zip(firsts, medians, strict=True):
-        rows += first.tokens
-        per_request += [len(t) / med for t in first.tokens]
-        for st in first.stats:
-            committed += st["tokens_per_round"] * st["rounds"]
-            rounds += st["rounds"]
-            h = np.asarray(st["accept_hist"])
-            hist = h if hist is None else hist + h
-    wall, tokens = sum(medians), sum(len(t) for t in rows)
-    return {
-        "wall_s": wall,
-        "compile_s": sum(gen.compile_seconds[sp] for sp in {f.spec for f in firsts}),
-        "tokens": tokens,
-        "tokens_per_s": tokens / wall,
-        "tokens_per_s_per_request": float(np.mean(per_request)),
-        "tokens_per_round": committed / rounds if rounds else 0.0,
-        "accept_hist": hist.tolist(),
-        "rows": rows,
-    }
 
 
 def cells(axis: str) -> list[tuple[int, int]]:
@@ -155,7 +130,7 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
         bar.step(f"B={conc} ctx={ctx}")
         kws = [_gen_kwargs(m, bud) for m, bud in methods]
         timed = common.time_interleaved(gen, batches, kws, FLAGS.repeats, bar.step)
-        cells_ = [cell_stats(gen, firsts, medians) for firsts, medians in timed]
+        cells_ = [common.cell_stats(gen, firsts, medians) for firsts, medians in timed]
         ar_stats, ar_rows = cells_[0], cells_[0]["rows"]  # plan_axis puts ar first
         for (method, budget), stats in zip(methods, cells_, strict=True):
             out_rows = stats.pop("rows")
