@@ -312,3 +312,41 @@ class DrafterTrainer:
     def export(self, params: nnx.State | None = None) -> DFlashDrafter:
         """The drafter with the current weights, or with `params` from `snapshot()`."""
         return nnx.merge(self.graphdef, self.params if params is None else params)
+
+
+def grow_drafter(drafter: DFlashDrafter, layers: int, intermediate: int, seed: int = 0) -> DFlashDrafter:
+    """A larger drafter computing exactly what `drafter` computes, to fine-tune from (function-preserving growth).
+
+    MLPs widen to `intermediate`: the new units get random gate/up columns and zero down_proj rows. New layers
+    (`layers` - old count, each old layer followed by at most one, LLaMA-Pro style) get random weights with zero
+    o_proj and down_proj, so each starts as the identity on the residual stream. Norms, fc, and the old layers'
+    weights are copied; the new layers' context projections (`kv_proj`) are random."""
+    old = drafter.config
+    extra = layers - old.num_hidden_layers
+    if extra < 0 or extra > old.num_hidden_layers or intermediate < old.intermediate_size:
+        raise ValueError(
+            f"can grow {old.num_hidden_layers} layers x {old.intermediate_size} only to between that and "
+            f"{2 * old.num_hidden_layers} layers and a wider MLP; asked {layers} x {intermediate}"
+        )
+    cfg = dataclasses.replace(old, num_hidden_layers=layers, intermediate_size=intermediate)
+    new = DFlashDrafter(cfg, rngs=nnx.Rngs(seed), dtype=drafter.dtype)
+    # layer i of the old drafter goes to slot i + (number of new layers inserted before it)
+    slots = [i + min(i, extra) for i in range(old.num_hidden_layers)]
+    inserted = [s + 1 for s in slots[:extra]]
+    new.fc[...], new.hidden_norm[...], new.norm[...] = drafter.fc[...], drafter.hidden_norm[...], drafter.norm[...]
+    kv = new.kv_proj[...]
+    for i, s in enumerate(slots):
+        kv = kv.at[s].set(drafter.kv_proj[i])
+        src, dst = drafter.layers[i], new.layers[s]
+        for name in ("input_layernorm", "post_attention_layernorm", "q_proj", "o_proj", "q_norm", "k_norm"):
+            getattr(dst, name)[...] = getattr(src, name)[...]
+        n = old.intermediate_size
+        for name in ("gate_proj", "up_proj"):
+            w = getattr(dst.mlp, name)
+            w[...] = w[...].at[:, :n].set(getattr(src.mlp, name)[...])
+        dst.mlp.down_proj[...] = jnp.zeros_like(dst.mlp.down_proj[...]).at[:n].set(src.mlp.down_proj[...])
+    new.kv_proj[...] = kv
+    for s in inserted:
+        new.layers[s].o_proj[...] = jnp.zeros_like(new.layers[s].o_proj[...])
+        new.layers[s].mlp.down_proj[...] = jnp.zeros_like(new.layers[s].mlp.down_proj[...])
+    return new

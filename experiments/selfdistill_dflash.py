@@ -10,8 +10,10 @@ distribution, --distill) on anchors inside the generated part only. --val_prompt
 out of training; every --eval_every steps the drafter is scored on them (loss and position-1 agreement with the
 target, fixed anchors) and the best-scoring weights are the ones written: 1M generated tokens overfit within a few
 minutes on an H200 (training agreement 0.94, held-out prompts 0.73), so the stopping point is measured, not
-guessed. Sized for a GPU; a few hundred steps run on a CPU. Overwrites --out_dir (the drafter, z-lab format) and
-writes --results_dir/train_dflash_selfdistill_loss.json.
+guessed. --grow_layers / --grow_intermediate first enlarge the drafter without changing what it computes
+(`training.grow_drafter`). --sequences keeps the generated data in a .npy file (read when it exists), so runs
+that differ only in the drafter share one generation. Sized for a GPU; a few hundred steps run on a CPU.
+Overwrites --out_dir (the drafter, z-lab format) and writes --results_dir/train_dflash_selfdistill_loss.json.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
 flags.DEFINE_float("gamma", 4.0, "Position decay of the loss weights.")
 flags.DEFINE_float("distill", 0.5, "Weight of the target's distribution in the label (rest: the greedy token).")
 flags.DEFINE_integer("seed", 0, "Data and anchor seed.")
+flags.DEFINE_integer("grow_layers", 0, "Grow the drafter to this many layers first (0: keep).")
+flags.DEFINE_integer("grow_intermediate", 0, "Widen the drafter's MLPs to this first (0: keep).")
+flags.DEFINE_string("sequences", "", ".npy of generated sequences, held-out rows first: read if present, else written.")
 
 
 def generate_sequences(gen, rng: np.random.Generator, tokens: np.ndarray, count: int) -> np.ndarray:
@@ -88,16 +93,32 @@ def main(argv: Sequence[str]) -> None:
     t_start = time.perf_counter()
     if FLAGS.val_prompts < FLAGS.batch:
         raise app.UsageError(f"--val_prompts ({FLAGS.val_prompts}) must be at least --batch ({FLAGS.batch})")
-    seqs = generate_sequences(
-        Generator.load(FLAGS.target),
-        rng,
-        np.load(Path(FLAGS.data_dir) / "train_tokens.npy"),
-        FLAGS.val_prompts + FLAGS.num_prompts,
-    )
+    cached = Path(FLAGS.sequences) if FLAGS.sequences else None
+    if cached is not None and cached.exists():
+        seqs = np.load(cached)
+        if seqs.ndim != 2 or seqs.shape[1] != FLAGS.prompt_len + FLAGS.gen_tokens or len(seqs) <= FLAGS.val_prompts:
+            raise app.UsageError(f"--sequences {cached}: shape {seqs.shape} does not fit the length/val flags")
+        logging.info("data: %s read from %s", seqs.shape, cached)
+    else:
+        seqs = generate_sequences(
+            Generator.load(FLAGS.target),
+            rng,
+            np.load(Path(FLAGS.data_dir) / "train_tokens.npy"),
+            FLAGS.val_prompts + FLAGS.num_prompts,
+        )
+        if cached is not None:
+            np.save(cached, seqs)
     val, seqs = seqs[: FLAGS.val_prompts], seqs[FLAGS.val_prompts :]
     logging.info("data: %s train, %s held out, in %.0fs", seqs.shape, val.shape, time.perf_counter() - t_start)
+    drafter = load_drafter(FLAGS.drafter, dtype=jnp.float32)
+    if FLAGS.grow_layers or FLAGS.grow_intermediate:
+        c = drafter.config
+        drafter = training.grow_drafter(
+            drafter, FLAGS.grow_layers or c.num_hidden_layers, FLAGS.grow_intermediate or c.intermediate_size
+        )
+        logging.info("grown to %d layers x %d", drafter.config.num_hidden_layers, drafter.config.intermediate_size)
     trainer = training.DrafterTrainer(
-        load_drafter(FLAGS.drafter, dtype=jnp.float32),
+        drafter,
         load_target(FLAGS.target, dtype=jnp.bfloat16, quantized=False),
         training.adamw(FLAGS.lr, FLAGS.weight_decay),
         anchors=FLAGS.anchors,
@@ -141,7 +162,7 @@ def main(argv: Sequence[str]) -> None:
         "flags": {
             k: FLAGS[k].value
             for k in ("num_prompts", "val_prompts", "prompt_len", "gen_tokens", "batch", "anchors", "lr", "distill")
-            + ("gamma", "weight_decay")
+            + ("gamma", "weight_decay", "grow_layers", "grow_intermediate")
         },
     }
     lineage = drafter_lineage(FLAGS.drafter)

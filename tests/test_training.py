@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from ddtree_jax import training
@@ -113,3 +114,35 @@ def test_block_is_bidirectional_and_targets_follow_the_anchor():
     swapped = lambda t: jnp.where((t == drafter.config.mask_token_id)[..., None], 0.0, target.embed(t))  # noqa: E731
     h2 = training.drafter_block_hidden(drafter, swapped, feats, tokens, anchors[:, :1])
     assert np.abs(np.asarray(h - h2)[0, 0, 0]).max() > 1e-4
+
+
+@pytest.mark.parametrize("layers,inner", [(3, 96), (4, 160), (2, 128)])
+def test_grown_drafter_computes_what_the_original_did(layers, inner):
+    rng = np.random.default_rng()
+    cfg = tiny_dflash_config(tiny_kimi_config())
+    old = DFlashDrafter(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 20))), dtype=jnp.float32)
+    for layer in old.layers:  # norms away from 1, so a copied norm that landed in the wrong place shows
+        for w in (layer.input_layernorm, layer.post_attention_layernorm, layer.q_norm, layer.k_norm):
+            w[...] = jnp.asarray(rng.uniform(0.5, 1.5, w[...].shape), jnp.float32)
+    new = training.grow_drafter(old, layers, inner, seed=int(rng.integers(1 << 20)))
+    assert (new.config.num_hidden_layers, new.config.intermediate_size) == (layers, inner)
+    assert len(new.layers) == layers and new.layers[0].mlp.gate_proj[...].shape[1] == inner
+    b, c, s = 2, 5, cfg.block_size
+    feats = jnp.asarray(rng.normal(size=(b, c, len(cfg.target_layer_ids) * cfg.hidden_size)), jnp.float32)
+    block = jnp.asarray(rng.normal(size=(b, s, cfg.hidden_size)), jnp.float32)
+    ctx_len = jnp.asarray([c, 3])
+    outs = []
+    for d in (old, new):
+        cache = d.append_context(d.init_cache(b, 16), feats, jnp.arange(c)[None].repeat(b, 0), jnp.zeros(b, int))
+        outs.append(np.asarray(d(block, ctx_len[:, None] + jnp.arange(s)[None], cache, ctx_len)))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    # the new units and layers are live parameters, not copies of zeros everywhere
+    assert float(jnp.abs(new.layers[-1].q_proj[...]).sum()) > 0
+
+
+def test_grow_drafter_refuses_shrinking():
+    old = DFlashDrafter(tiny_dflash_config(tiny_kimi_config()), rngs=nnx.Rngs(0), dtype=jnp.float32)
+    with pytest.raises(ValueError, match="can grow 2 layers x 96"):
+        training.grow_drafter(old, 1, 96)
+    with pytest.raises(ValueError, match="can grow"):
+        training.grow_drafter(old, 2, 64)
