@@ -63,7 +63,8 @@ def op_events(events: list[dict], module: str) -> list[tuple[str, str, float]]:
 
 def _leaves(events: list[dict]) -> list[dict]:
     """Drop events that enclose another event of their thread (a CPU while-loop thunk around its body's ops), so
-    nothing is counted twice."""
+    nothing is counted twice. Merely overlapping neighbours are both kept: a CUDA graph's kernels on one stream are
+    stamped overlapping by a fraction of a microsecond."""
     by_thread: dict[tuple, list[dict]] = collections.defaultdict(list)
     for e in events:
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
@@ -71,7 +72,8 @@ def _leaves(events: list[dict]) -> list[dict]:
     for evs in by_thread.values():
         evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
         for e, nxt in zip(evs, evs[1:] + [None], strict=True):
-            if nxt is None or float(nxt["ts"]) >= float(e["ts"]) + float(e["dur"]):
+            end = float(e["ts"]) + float(e["dur"])
+            if nxt is None or float(nxt["ts"]) >= end or float(nxt["ts"]) + float(nxt["dur"]) > end:
                 out.append(e)
     return out
 
