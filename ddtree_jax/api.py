@@ -101,7 +101,6 @@ class Generator:
         temperature: float,
         max_new_tokens: int,
         ignore_eos: bool,
-        rounds_per_sync: int = 1,
     ) -> engine.GenSpec:
         return engine.GenSpec(
             method=method,
@@ -111,7 +110,6 @@ class Generator:
             budget=budget,
             temperature=float(temperature),
             stop_ids=() if ignore_eos else self.target.config.stop_token_ids,
-            rounds_per_sync=rounds_per_sync,
         )
 
     def spec_for(
@@ -161,18 +159,12 @@ class Generator:
         seed: int = 0,
         ignore_eos: bool = False,
         pad_batch_to: int | None = None,
-        rounds_per_sync: int = 1,
     ) -> GenerationResult:
         """Generate for a batch of token-id prompts (different lengths allowed). pad_batch_to: run the program at
         this batch size (extra rows repeat the last prompt and are dropped) so batches share one compilation."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        settings = {
-            "temperature": temperature,
-            "max_new_tokens": max_new_tokens,
-            "ignore_eos": ignore_eos,
-            "rounds_per_sync": rounds_per_sync,
-        }
+        settings = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
         spec = self.spec_for(prompts, method=method, budget=budget, pad_batch_to=pad_batch_to, **settings)
         n, batch = len(prompts), spec.batch
         rows = list(prompts) + [prompts[-1]] * (batch - n)

@@ -44,18 +44,11 @@ class GenSpec:
     temperature: float = 0.0
     stop_ids: tuple[int, ...] = ()
     prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks (absorbed MLA over the cache)
-    # Rounds per while-loop iteration. XLA's GPU while loop copies its predicate to the host and waits for it every
-    # iteration; checking `done` every k rounds cuts those waits k-fold, at the price of up to k-1 rounds run after
-    # every row is done (they change nothing: done rows are frozen).
-    rounds_per_sync: int = 1
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method {self.method!r} not one of {METHODS}")
-        if (
-            min(self.budget, self.max_new_tokens, self.batch, self.prompt_len, self.prefill_chunk, self.rounds_per_sync)
-            < 1
-        ):
+        if min(self.budget, self.max_new_tokens, self.batch, self.prompt_len, self.prefill_chunk) < 1:
             raise ValueError(f"invalid GenSpec {self}")
 
 
@@ -373,9 +366,9 @@ def generate(
         s = prefill(target, drafter, spec, prompts, prompt_len, key)
 
     def body(st: LoopState) -> LoopState:
-        for _ in range(spec.rounds_per_sync):
-            st = ar_round(target, spec, st) if spec.method == "ar" else spec_round(target, drafter, spec, st)
-        return st
+        if spec.method == "ar":
+            return ar_round(target, spec, st)
+        return spec_round(target, drafter, spec, st)
 
     s = jax.lax.while_loop(lambda st: ~jnp.all(st.done), body, s)
     return GenOut(s.out, s.n_out, s.rounds, s.accept_hist, s.bad_round)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -356,21 +354,3 @@ def test_float32_model_compiles_with_full_precision_matmuls():
         hlo = compiled.as_text()
         dots, highest = hlo.count(" dot("), hlo.count("operand_precision={highest,highest}")
         assert dots > 0 and highest == (dots if want_highest else 0), (dtype, dots, highest)
-
-
-@pytest.mark.parametrize("method,temperature", [("ar", 1.0), ("dflash", 0.0), ("ddtree", 1.0)])
-def test_rounds_per_sync_changes_nothing_but_the_loop(method, temperature):
-    """Checking `done` every 3 rounds runs up to 2 rounds past the last row's end: outputs, per-row round counts and
-    acceptance histograms (sampled too: the key sequence of active rounds is the same) must not change."""
-    rng = np.random.default_rng()
-    target, drafter = make_pair(int(rng.integers(1 << 20)))
-    prompts, plen = random_prompts(rng, 4, 6, 97)
-    free, _ = run(target, None, engine.GenSpec("ar", 4, 6, 14), prompts, plen)
-    stop = (free[2][4],)  # rows end at different rounds
-    spec = engine.GenSpec(method, 4, 6, 14, budget=6, temperature=temperature, stop_ids=stop)
-    key = int(rng.integers(1 << 20))
-    base, out1 = run(target, drafter, spec, prompts, plen, key)
-    got, out3 = run(target, drafter, dataclasses.replace(spec, rounds_per_sync=3), prompts, plen, key)
-    assert got == base
-    for field in ("n_out", "rounds", "accept_hist", "bad_round"):
-        np.testing.assert_array_equal(getattr(out3, field), getattr(out1, field), err_msg=field)
