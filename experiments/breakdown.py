@@ -1,6 +1,6 @@
 """Where the time of one round goes, measured inside the real generation program: device time and kernel count of
 each piece (draft / tree build / verify / accept, or the AR step), the rest of the loop, and the idle time between
-kernels (launches, the loop's per-round predicate copy to the host).
+kernels (launch gaps, the loop's per-round predicate copy to the host).
 
     python -m experiments.breakdown [--budgets=8,16,32] [--concurrency=1] [--context=60]
 
@@ -10,7 +10,9 @@ device events are joined with the program's HLO metadata (engine.py puts every p
 experiments/device_profile.py) into `<piece>_ms` and `<piece>_kernels` per round; `other` = loop ops outside the
 pieces, `idle_ms` = round_ms - device-busy time; `top_kernels`: the costliest kernels as [scope:kernel, microseconds
 per round, launches per round]. Prefill is excluded. On a CPU the per-op events of a multi-threaded runtime overlap,
-so only the GPU numbers add up. Writes <out_dir>/breakdown.json and .md.
+so only the GPU numbers add up. On a GPU XLA runs the loop body as one CUDA graph: its kernels follow each other
+without launch gaps, and the profiler stretches them a little, so `idle_ms` comes out near zero or slightly negative.
+Writes <out_dir>/breakdown.json and .md.
 """
 
 from __future__ import annotations

@@ -90,8 +90,9 @@ def _kernel_name(instruction: str) -> str:
 
 
 def per_scope(ops: list[tuple[str, str, float]], scope_map: dict[str, str]) -> dict[str, tuple[float, int]]:
-    """{scope: (total microseconds, op count)}. An op is looked up by its instruction, then by its kernel name (a
-    kernel launched from a command buffer names the buffer as its instruction); unknown ops count as 'other'."""
+    """{scope: (total microseconds, op count)} of `ops` in launch order. An op is looked up by its instruction, then
+    by its kernel name (a kernel launched from a command buffer names the buffer as its instruction), then (graph
+    kernels only) by its predecessor; other unknown ops count as 'other'."""
     return _totals((scope, us) for scope, _, us in _scoped(ops, scope_map))
 
 
@@ -105,10 +106,17 @@ def costliest(
 
 
 def _scoped(ops: list[tuple[str, str, float]], scope_map: dict[str, str]):
-    """(scope, kernel name, microseconds) per op, placed as `per_scope` says."""
+    """(scope, kernel name, microseconds) per op, placed as `per_scope` says. A kernel launched from a command buffer
+    that names no instruction (a Pallas/Mosaic custom call's kernel is named after the kernel, not the call) takes
+    the scope of the kernel before it: a CUDA graph runs the instructions in program order."""
     by_kernel = {_kernel_name(k): v for k, v in scope_map.items()}
+    prev = "other"
     for op, name, us in ops:
-        yield scope_map.get(op) or by_kernel.get(_kernel_name(name)) or "other", name, us
+        scope = scope_map.get(op) or by_kernel.get(_kernel_name(name))
+        if scope is None:
+            scope = prev if op.startswith("command_buffer") else "other"
+        prev = scope
+        yield scope, name, us
 
 
 def _totals(pairs) -> dict[str, tuple[float, int]]:
@@ -125,7 +133,8 @@ def _ranked(totals: dict[str, tuple[float, int]], n: int) -> list[tuple[str, flo
 
 
 def unattributed(ops: list[tuple[str, str, float]], scope_map: dict[str, str], n: int = 8) -> list[str]:
-    """The `n` most frequent 'instruction/kernel' pairs that `per_scope` could not place (for diagnosis)."""
+    """The `n` most frequent 'instruction/kernel' pairs that name no instruction of the program (for diagnosis;
+    `per_scope` places the graph kernels among them by their predecessor)."""
     by_kernel = {_kernel_name(k) for k in scope_map}
     misses = collections.Counter(
         f"{op}/{name}" for op, name, _ in ops if op not in scope_map and _kernel_name(name) not in by_kernel

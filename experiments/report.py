@@ -193,8 +193,9 @@ def breakdown_section(p: dict, d: Path) -> list[str]:
         "## Round-time breakdown",
         meta_line(p),
         "Device time per round of each piece inside the generation program (profiler, kernels joined to the "
-        "engine's named scopes), `other` = loop ops outside the pieces, `idle` = the rest of the round: kernel "
-        "launches and the loop's per-round host sync.",
+        "engine's named scopes), `other` = loop ops outside the pieces, `idle` = the rest of the round (launch gaps, "
+        "the loop's per-round host sync). XLA runs the loop body as one CUDA graph, so kernels follow each other "
+        "without gaps; the profiler stretches graph kernels slightly, which can make `idle` a little negative.",
         common.markdown_table(recs, cols + ["kernels_per_round"]),
     ]
     if recs:
@@ -213,9 +214,14 @@ def breakdown_section(p: dict, d: Path) -> list[str]:
         main = max(share, key=share.get)
         out.append(
             f"For {top['method']} at budget {top['budget']} the largest part of the round is **{main}** "
-            f"({100 * share[main]:.0f}%), over {top['kernels_per_round']:.0f} kernels per round. Kernels that XLA "
-            "launches from a command buffer (CUDA graph) carry the buffer's name, not their instruction's, and count "
-            "under `other` (the record's `unattributed_ops` lists them)."
+            f"({100 * share[main]:.0f}%), over {top['kernels_per_round']:.0f} kernels per round. Device time per "
+            "kernel, per method: "
+            + ", ".join(
+                f"{r['method']} b{r['budget']} {1e3 * r['round_ms'] / r['kernels_per_round']:.2f} us"
+                for r in recs
+                if r["kernels_per_round"]
+            )
+            + ": a round costs about what its kernel count costs."
         )
         tops = [
             {"method": r["method"], "budget": r["budget"], "kernel": name, "us_per_round": us, "launches": n}
@@ -320,7 +326,8 @@ def losses_section(sweeps: list[dict], bench: dict | None) -> list[str]:
             )
         out.append(
             "A DDTree round verifies budget + 1 nodes where the chain verifies D + 1, and builds the tree (one kernel "
-            "plus the top-K); on this small pair rounds are launch bound (breakdown: idle time, kernel counts). Mean "
+            "plus the top-K); on this small pair a round is a string of ~300 small kernels in one CUDA graph, so its "
+            "time follows its kernel count (breakdown). Mean "
             "over cells, " + "; ".join(per_budget) + "."
         )
     long = [r for r in tree if r["axis"] == "context" and r["context"] > TRAIN_SEQ_LEN]
@@ -476,6 +483,7 @@ def kernel_section(d: Path) -> list[str]:
         "bench_tree_build_e2e",
         "bench_tree_warps",
         "bench_topk",
+        "ab_topk",
     ):
         md = d / f"{name}.md"
         if md.is_file():

@@ -55,18 +55,23 @@ def test_device_events_are_attributed_once(tmp_path):
         x(2, 200, 100, "while.1"),  # encloses the next kernel on its stream: not counted
         x(2, 210, 4, "custom-call.7"),
         {**x(2, 300, 2, "command_buffer"), "name": "fusion_3"},  # a kernel launched from a command buffer
-        x(2, 310, 1, "command_buffer"),
+        x(2, 310, 1, "command_buffer"),  # a graph kernel naming no instruction: the scope of the one before (tree)
         # a CUDA graph's kernels, stamped overlapping by a fraction of a microsecond: both count
         {**x(2, 400, 3, "command_buffer_5"), "name": "fusion_3"},
         {**x(2, 402.9, 3, "command_buffer_5"), "name": "custom_call_7"},
+        {**x(2, 406, 6, "command_buffer_5"), "name": "mla_attention"},  # after a verify kernel: verify
     ]
     (tmp_path / "p").mkdir()
     with gzip.open(tmp_path / "p" / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     ops = device_profile.op_events(device_profile.load_trace(tmp_path), "jit_run")
     per = device_profile.per_scope(ops, device_profile.scope_of_ops(HLO, ("prefill", "tree", "verify")))
-    assert per == {"tree": (20.0, 4), "verify": (37.0, 3), "other": (8.0, 2)}
+    assert per == {"tree": (21.0, 5), "verify": (43.0, 4), "other": (7.0, 1)}
     scopes = device_profile.scope_of_ops(HLO, ("prefill", "tree", "verify"))
-    assert device_profile.unattributed(ops, scopes) == ["copy.1/copy.1 x1", "command_buffer/command_buffer x1"]
+    assert device_profile.unattributed(ops, scopes) == [
+        "copy.1/copy.1 x1",
+        "command_buffer/command_buffer x1",
+        "command_buffer_5/mla_attention x1",
+    ]
     top = device_profile.costliest(ops, scopes, n=3)
     assert top == [("verify:custom-call.7", 34.0, 2), ("tree:fusion.3", 15.0, 2), ("other:copy.1", 7.0, 1)]
