@@ -53,7 +53,7 @@ def main(_) -> None:
 
     chunks, budgets = [int(c) for c in FLAGS.chunks], [int(b) for b in FLAGS.budgets]
     if any(c < 0 for c in chunks) or any(b < 1 for b in budgets):
-        raise app.UsageError(f"--chunks must be >= 0 and --budgets >= 1, got {chunks} and {budgets}")
+        raise app.UsageError(f"--chunks must be >= 0 and --budgets >= 1, got {chunks} and {budgets}", exitcode=2)
     gen = Generator.load(FLAGS.target, FLAGS.drafter)
     base, source = workload.load_prompts(gen, FLAGS.prompts, FLAGS.num_prompts)
     batches = [[p] for p in workload.at_length(base, FLAGS.context, FLAGS.num_prompts)]

@@ -327,7 +327,7 @@ def reproject(paths: list[str], sweep_json: str, out_dir: str | None) -> None:
     sources = [json.loads(Path(p).read_text()) for p in paths]
     shapes = [{k: v for k, v in s.get("model", {}).items() if k != "init_s"} for s in sources]
     if any(m != shapes[0] for m in shapes):
-        raise app.UsageError(f"--reproject: {paths} were measured on different models")
+        raise app.UsageError(f"--reproject: {paths} were measured on different models", exitcode=2)
     ours, records = our_acceptance(sweep_json), []
     for src in sources:
         measured = [r for r in src["records"] if r["kind"] == "measured"]

@@ -92,12 +92,16 @@ def main(argv: Sequence[str]) -> None:
     rng = np.random.default_rng(FLAGS.seed)
     t_start = time.perf_counter()
     if FLAGS.val_prompts < FLAGS.batch:
-        raise app.UsageError(f"--val_prompts ({FLAGS.val_prompts}) must be at least --batch ({FLAGS.batch})")
+        raise app.UsageError(
+            f"--val_prompts ({FLAGS.val_prompts}) must be at least --batch ({FLAGS.batch})", exitcode=2
+        )
     cached = Path(FLAGS.sequences) if FLAGS.sequences else None
     if cached is not None and cached.exists():
         seqs = np.load(cached)
         if seqs.ndim != 2 or seqs.shape[1] != FLAGS.prompt_len + FLAGS.gen_tokens or len(seqs) <= FLAGS.val_prompts:
-            raise app.UsageError(f"--sequences {cached}: shape {seqs.shape} does not fit the length/val flags")
+            raise app.UsageError(
+                f"--sequences {cached}: shape {seqs.shape} does not fit the length/val flags", exitcode=2
+            )
         logging.info("data: %s read from %s", seqs.shape, cached)
     else:
         seqs = generate_sequences(

@@ -95,7 +95,9 @@ def main(argv: Sequence[str]) -> None:
         drafter = load_drafter(FLAGS.init, dtype=jnp.float32)
         cfg = drafter.config
         if cfg.mask_token_id != mask_id:
-            raise app.UsageError(f"--init drafter's mask id {cfg.mask_token_id} is not the tokenizer's {mask_id}")
+            raise app.UsageError(
+                f"--init drafter's mask id {cfg.mask_token_id} is not the tokenizer's {mask_id}", exitcode=2
+            )
     else:
         cfg = drafter_config(FLAGS.preset, target.config, mask_id, FLAGS.block_size)
         drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(FLAGS.seed), dtype=jnp.float32)

@@ -281,3 +281,40 @@ def test_ab_topk(tiny_pair, tmp_path):
     assert all(r["identical"] is True and r["tokens_per_s"] > 0 for r in (ar, chain, lax_tree, chunked))
     assert lax_tree["tokens_per_round"] == chunked["tokens_per_round"]  # vocab 97: three chunks, one padded
     assert lax_tree["vs_lax"] == 1.0 and chunked["vs_lax"] > 0
+
+
+def test_ab_flags(tiny_pair, tmp_path):
+    """Two XLA flag settings, each in its own sweep process: flags change speed, never acceptance."""
+    target, drafter = tiny_pair
+    run(
+        "ab_flags",
+        "--setting=base=",
+        "--setting=text=--xla_dump_hlo_as_text=false",
+        f"--target={target}",
+        f"--drafter={drafter}",
+        "--budgets=4",
+        "--cycles=1",
+        "--repeats=1",
+        "--num_prompts=1",
+        "--max_new_tokens=8",
+        f"--out_dir={tmp_path}",
+    )
+    recs = records(tmp_path / "ab_flags.json")
+    assert [(r["setting"], r["method"]) for r in recs] == [
+        (s, m) for s in ("base", "text") for m in ("ar", "dflash", "ddtree")
+    ]
+    assert all(r["same_acceptance"] and r["tokens_per_s"] > 0 for r in recs)
+    assert [r["vs_first"] for r in recs[:3]] == [1.0, 1.0, 1.0]
+    assert recs[4]["xla_flags"] == "--xla_dump_hlo_as_text=false" and recs[1]["vs_chain"] == 1.0
+
+
+def test_ab_flags_rejects_a_setting_without_a_name():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.ab_flags", "--setting=--xla_foo"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "want NAME=FLAGS" in proc.stderr
