@@ -22,6 +22,7 @@ from pathlib import Path
 
 from absl import app, flags
 
+from ddtree_jax.errors import UserError, cli_main, parse_flags
 from experiments import common, workload
 from experiments.progress import Progress
 
@@ -45,7 +46,7 @@ def parse_settings(raw: list[str]) -> dict[str, str]:
     for item in raw:
         name, sep, value = item.partition("=")
         if not sep or not name or name in out:
-            raise app.UsageError(f"--setting {item!r}: want NAME=FLAGS with a new, non-empty NAME", exitcode=2)
+            raise UserError(f"--setting {item!r}: want NAME=FLAGS with a new, non-empty NAME")
         out[name] = value.strip()
     return out
 
@@ -65,7 +66,7 @@ def run_sweep(flags_: str, out_dir: Path) -> list[dict]:
 def main(_) -> None:
     settings = parse_settings(FLAGS.setting)
     if FLAGS.cycles < 1:
-        raise app.UsageError(f"--cycles must be >= 1, got {FLAGS.cycles}", exitcode=2)
+        raise UserError(f"--cycles must be >= 1, got {FLAGS.cycles}")
     runs: dict[str, list[list[dict]]] = {name: [] for name in settings}
     bar = Progress(FLAGS.cycles * len(settings), "ab_flags")
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,4 +111,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -15,6 +15,7 @@ import os
 
 from absl import app, flags
 
+from ddtree_jax.errors import UserError, cli_main, parse_flags
 from experiments import common, workload
 from experiments.progress import Progress
 
@@ -53,7 +54,7 @@ def main(_) -> None:
 
     chunks, budgets = [int(c) for c in FLAGS.chunks], [int(b) for b in FLAGS.budgets]
     if any(c < 0 for c in chunks) or any(b < 1 for b in budgets):
-        raise app.UsageError(f"--chunks must be >= 0 and --budgets >= 1, got {chunks} and {budgets}", exitcode=2)
+        raise UserError(f"--chunks must be >= 0 and --budgets >= 1, got {chunks} and {budgets}")
     gen = Generator.load(FLAGS.target, FLAGS.drafter)
     base, source = workload.load_prompts(gen, FLAGS.prompts, FLAGS.num_prompts)
     batches = [[p] for p in workload.at_length(base, FLAGS.context, FLAGS.num_prompts)]
@@ -105,4 +106,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -26,6 +26,7 @@ import numpy as np
 from absl import app, flags
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ddtree_jax.errors import cli_main, parse_flags
 from experiments import common
 from pallas_kernels import int4_moe, reference
 
@@ -240,4 +241,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -45,6 +45,7 @@ from flax import nnx
 
 from ddtree_jax import engine
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, load_dflash_config, load_kimi_config
+from ddtree_jax.errors import cli_main, parse_flags
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import DenseMLP, KimiForCausalLM, MoE
 from experiments import common
@@ -401,4 +402,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -40,6 +40,7 @@ from flax import nnx  # noqa: E402
 
 from ddtree_jax import engine, sizing  # noqa: E402
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, load_dflash_config, load_kimi_config  # noqa: E402
+from ddtree_jax.errors import UserError, cli_main, parse_flags
 from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache  # noqa: E402
 from ddtree_jax.models.kimi import KimiForCausalLM  # noqa: E402
 from experiments import common, round_pieces  # noqa: E402
@@ -327,7 +328,7 @@ def reproject(paths: list[str], sweep_json: str, out_dir: str | None) -> None:
     sources = [json.loads(Path(p).read_text()) for p in paths]
     shapes = [{k: v for k, v in s.get("model", {}).items() if k != "init_s"} for s in sources]
     if any(m != shapes[0] for m in shapes):
-        raise app.UsageError(f"--reproject: {paths} were measured on different models", exitcode=2)
+        raise UserError(f"--reproject: {paths} were measured on different models")
     ours, records = our_acceptance(sweep_json), []
     for src in sources:
         measured = [r for r in src["records"] if r["kind"] == "measured"]
@@ -423,4 +424,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -27,6 +27,7 @@ from absl import app, flags
 from jax.experimental.pallas import next_power_of_2 as pl_next_pow2
 
 from ddtree_jax import topk
+from ddtree_jax.errors import cli_main, parse_flags
 from experiments import common, workload
 from experiments.progress import Progress
 
@@ -246,4 +247,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -24,6 +24,7 @@ import tempfile
 import jax
 from absl import app, flags
 
+from ddtree_jax.errors import cli_main, parse_flags
 from experiments import common, device_profile, workload
 from experiments.progress import Progress
 
@@ -135,4 +136,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from ddtree_jax.errors import cli_main, parse_flags
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target checkpoint.")
 flags.DEFINE_string("drafter", "checkpoints/kimi-mini-dflash", "Drafter checkpoint.")
@@ -100,4 +102,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

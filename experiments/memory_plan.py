@@ -18,6 +18,7 @@ from absl import app, flags
 
 from ddtree_jax import memory
 from ddtree_jax.config import load_dflash_config, load_kimi_config
+from ddtree_jax.errors import cli_main, parse_flags
 from experiments.common import markdown_table, write_results
 
 FLAGS = flags.FLAGS
@@ -74,4 +75,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

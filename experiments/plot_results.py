@@ -17,6 +17,8 @@ from pathlib import Path
 import matplotlib
 from absl import app, flags
 
+from ddtree_jax.errors import cli_main, parse_flags
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -72,4 +74,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -19,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from ddtree_jax.errors import cli_main, parse_flags
 from experiments import common  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -532,4 +533,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags, logging
 
+from ddtree_jax.errors import UserError, cli_main, parse_flags
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target checkpoint (frozen).")
 flags.DEFINE_string("drafter", "checkpoints/kimi-mini-dflash", "Drafter to start from.")
@@ -92,16 +94,12 @@ def main(argv: Sequence[str]) -> None:
     rng = np.random.default_rng(FLAGS.seed)
     t_start = time.perf_counter()
     if FLAGS.val_prompts < FLAGS.batch:
-        raise app.UsageError(
-            f"--val_prompts ({FLAGS.val_prompts}) must be at least --batch ({FLAGS.batch})", exitcode=2
-        )
+        raise UserError(f"--val_prompts ({FLAGS.val_prompts}) must be at least --batch ({FLAGS.batch})")
     cached = Path(FLAGS.sequences) if FLAGS.sequences else None
     if cached is not None and cached.exists():
         seqs = np.load(cached)
         if seqs.ndim != 2 or seqs.shape[1] != FLAGS.prompt_len + FLAGS.gen_tokens or len(seqs) <= FLAGS.val_prompts:
-            raise app.UsageError(
-                f"--sequences {cached}: shape {seqs.shape} does not fit the length/val flags", exitcode=2
-            )
+            raise UserError(f"--sequences {cached}: shape {seqs.shape} does not fit the length/val flags")
         logging.info("data: %s read from %s", seqs.shape, cached)
     else:
         seqs = generate_sequences(
@@ -178,4 +176,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

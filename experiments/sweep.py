@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from absl import app, flags
 
+from ddtree_jax.errors import cli_main, parse_flags
 from experiments import common, workload
 from experiments.progress import Progress
 
@@ -197,4 +198,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -20,6 +20,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from ddtree_jax.config import DFlashConfig, KimiConfig, YarnConfig
+from ddtree_jax.errors import UserError, cli_main, parse_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target HF checkpoint (frozen).")
@@ -95,9 +96,7 @@ def main(argv: Sequence[str]) -> None:
         drafter = load_drafter(FLAGS.init, dtype=jnp.float32)
         cfg = drafter.config
         if cfg.mask_token_id != mask_id:
-            raise app.UsageError(
-                f"--init drafter's mask id {cfg.mask_token_id} is not the tokenizer's {mask_id}", exitcode=2
-            )
+            raise UserError(f"--init drafter's mask id {cfg.mask_token_id} is not the tokenizer's {mask_id}")
     else:
         cfg = drafter_config(FLAGS.preset, target.config, mask_id, FLAGS.block_size)
         drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(FLAGS.seed), dtype=jnp.float32)
@@ -150,4 +149,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

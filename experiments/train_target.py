@@ -28,6 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from ddtree_jax.config import KimiConfig, QuantConfig, YarnConfig
+from ddtree_jax.errors import cli_main, parse_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("stage", "train", ["data", "train"], "data (CPU, needs `tokenizers`) or train.")
@@ -289,4 +290,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -308,13 +308,18 @@ def test_ab_flags(tiny_pair, tmp_path):
     assert recs[4]["xla_flags"] == "--xla_dump_hlo_as_text=false" and recs[1]["vs_chain"] == 1.0
 
 
-def test_ab_flags_rejects_a_setting_without_a_name():
+@pytest.mark.parametrize(
+    "module,arg,says",
+    [
+        ("ab_flags", "--setting=--xla_foo", "want NAME=FLAGS"),  # raised by the script
+        ("ab_flags", "--cycles=two", "--cycles"),  # a flag absl cannot parse
+        ("sweep", "--repeats=", "--repeats"),
+    ],
+)
+def test_experiment_bad_input_is_one_line_and_exit_2(module, arg, says):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.ab_flags", "--setting=--xla_foo"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-m", f"experiments.{module}", arg], cwd=REPO, env=env, capture_output=True, text=True
     )
-    assert proc.returncode == 2 and "want NAME=FLAGS" in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], lines
