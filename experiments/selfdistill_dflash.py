@@ -52,7 +52,9 @@ flags.DEFINE_float("distill", 0.5, "Weight of the target's distribution in the l
 flags.DEFINE_integer("seed", 0, "Data and anchor seed.")
 flags.DEFINE_integer("grow_layers", 0, "Grow the drafter to this many layers first (0: keep).")
 flags.DEFINE_integer("grow_intermediate", 0, "Widen the drafter's MLPs to this first (0: keep).")
-flags.DEFINE_string("sequences", "", ".npy of generated sequences, held-out rows first: read if present, else written.")
+flags.DEFINE_string(
+    "sequences", "", ".npy of generated sequences, held-out rows first: read if present (as is), else written."
+)
 
 
 def generate_sequences(gen, rng: np.random.Generator, tokens: np.ndarray, count: int) -> np.ndarray:
@@ -157,6 +159,7 @@ def main(argv: Sequence[str]) -> None:
     run = {
         "base_drafter": str(FLAGS.drafter),
         "sequences": list(seqs.shape),
+        "sequences_file": FLAGS.sequences,
         "held_out_sequences": len(val),
         "steps": n,
         "best": best,
