@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import flags, logging
 
 from ddtree_jax.checkpoint import load_target, save_converted
-from ddtree_jax.errors import UserError, cli_main, parse_flags
+from ddtree_jax.errors import UserError, run_app
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "HF checkpoint directory (config.json + safetensors).")
@@ -34,4 +34,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from absl import flags
+from absl import app, flags
 
 from ddtree_jax.config import ConfigError
 
@@ -72,3 +72,8 @@ def parse_flags(argv: list[str]) -> list[str]:
         if _debug():
             raise
         fail(e)
+
+
+def run_app(main: Callable[[list[str]], Any]) -> None:
+    """`app.run` for every CLI of the project: user errors and unparsable flags become one `error:` line, exit 2."""
+    app.run(cli_main(main), flags_parser=parse_flags)

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from ddtree_jax import memory
 from ddtree_jax.config import DFlashConfig, check_pair, load_dflash_config, load_kimi_config
-from ddtree_jax.errors import UserError, cli_main, parse_flags
+from ddtree_jax.errors import UserError, run_app
 from ddtree_jax.mesh_spec import parse_mesh_spec
 from ddtree_jax.prompts import OutputWriter, Prompt, check_lengths, read_prompts
 from ddtree_jax.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
@@ -202,7 +202,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 def run() -> None:
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from absl import app, flags
+from absl import flags
 
 from ddtree_jax import memory
 from ddtree_jax.config import check_pair, load_dflash_config, load_kimi_config
-from ddtree_jax.errors import UserError, cli_main, parse_flags
+from ddtree_jax.errors import UserError, run_app
 from ddtree_jax.sizing import model_sizes
 
 FLAGS = flags.FLAGS
@@ -78,7 +78,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 def run() -> None:
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)
 
 
 if __name__ == "__main__":

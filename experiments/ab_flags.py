@@ -20,9 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 
-from ddtree_jax.errors import UserError, cli_main, parse_flags
+from ddtree_jax.errors import UserError, run_app
 from experiments import common, workload
 from experiments.progress import Progress
 
@@ -111,4 +111,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import flags
 
-from ddtree_jax.errors import UserError, cli_main, parse_flags
+from ddtree_jax.errors import UserError, run_app
 from experiments import common, workload
 from experiments.progress import Progress
 
@@ -106,4 +106,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -23,10 +23,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 from experiments import common
 from pallas_kernels import int4_moe, reference
 
@@ -241,4 +241,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -40,12 +40,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import flags, logging
 from flax import nnx
 
 from ddtree_jax import engine
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, load_dflash_config, load_kimi_config
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import DenseMLP, KimiForCausalLM, MoE
 from experiments import common
@@ -402,4 +402,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -35,12 +35,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ddtree_jax import engine, sizing  # noqa: E402
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, load_dflash_config, load_kimi_config  # noqa: E402
-from ddtree_jax.errors import UserError, cli_main, parse_flags
+from ddtree_jax.errors import UserError, run_app
 from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache  # noqa: E402
 from ddtree_jax.models.kimi import KimiForCausalLM  # noqa: E402
 from experiments import common, round_pieces  # noqa: E402
@@ -424,4 +424,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -23,11 +23,11 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from jax.experimental.pallas import next_power_of_2 as pl_next_pow2
 
 from ddtree_jax import topk
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 from experiments import common, workload
 from experiments.progress import Progress
 
@@ -247,4 +247,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -22,9 +22,9 @@ import statistics
 import tempfile
 
 import jax
-from absl import app, flags
+from absl import flags
 
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 from experiments import common, device_profile, workload
 from experiments.progress import Progress
 
@@ -136,4 +136,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

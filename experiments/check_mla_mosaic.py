@@ -26,9 +26,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 from experiments import common  # noqa: E402
 from experiments.mla_common import DK, DV, SCALE, cost, random_tree_mask, rel_err  # noqa: E402
 from pallas_kernels.mla_attention import mla_attention_pallas  # noqa: E402
@@ -176,4 +176,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target checkpoint.")
@@ -137,4 +137,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 
 from ddtree_jax import memory
 from ddtree_jax.config import load_dflash_config, load_kimi_config
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 from experiments.common import markdown_table, write_results
 
 FLAGS = flags.FLAGS
@@ -75,4 +75,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
-from absl import app, flags
+from absl import flags
 
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -74,4 +74,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
-from ddtree_jax.errors import UserError, cli_main, parse_flags
+from ddtree_jax.errors import UserError, run_app
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target checkpoint (frozen).")
@@ -179,4 +179,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

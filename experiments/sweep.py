@@ -23,9 +23,9 @@ import math
 import os
 from typing import NamedTuple
 
-from absl import app, flags
+from absl import flags
 
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 from experiments import common, workload
 from experiments.progress import Progress
 
@@ -198,4 +198,4 @@ def main(_) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from ddtree_jax.config import KimiConfig, QuantConfig, YarnConfig
-from ddtree_jax.errors import cli_main, parse_flags
+from ddtree_jax.errors import run_app
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("stage", "train", ["data", "train"], "data (CPU, needs `tokenizers`) or train.")
@@ -290,4 +290,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(cli_main(main), flags_parser=parse_flags)
+    run_app(main)
