@@ -1,13 +1,15 @@
 """Benchmark the MLA decode / tree-verify kernel against the jitted plain-JAX reference.
 
-Measures in the same run the device copy bandwidth and the bf16 matmul rate (the two ceilings), checks the
-kernel on the GPU (poisoned partial outputs, rel. err vs an f32 reference), then times the reference and the
-kernel over a matrix of (context, nodes, batch, heads) cells. Per cell: time, bytes, FLOPs and the roofline
-fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. Each timing runs `--inner` calls inside one
+Measures in the same run the device copy bandwidth and the bf16 matmul rate (the two ceilings), checks each
+kernel on the GPU (rel. err vs an f32 reference; the Triton kernel with poisoned partial outputs), then times the
+reference and each --kernels entry over a matrix of (context, nodes, batch, heads) cells: `triton`
+(`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: P shared between the compute warpgroups) and
+`mosaic_dup` (the same with S computed by both warpgroups, `share_p=False`). Per cell: time, bytes, FLOPs and the
+roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. Each timing runs `--inner` calls inside one
 jitted loop, so launch gaps between kernels count but host dispatch does not. Results are rewritten after
 every cell.
 
-    python -m experiments.bench_mla --preset=targets
+    python -m experiments.bench_mla --preset=targets --kernels=triton,mosaic
     python -m experiments.bench_mla --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64,8 --sweep
 """
 
@@ -27,9 +29,10 @@ import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from jax import lax  # noqa: E402
 
-from ddtree_jax.errors import run_app
+from ddtree_jax.errors import UserError, run_app
 from experiments import common  # noqa: E402
 from experiments.mla_common import DK, DV, SCALE, cost, random_tree_mask, rel_err  # noqa: E402
+from pallas_kernels import mla_mosaic  # noqa: E402
 from pallas_kernels.mla_attention import MLAConfig, default_config, mla_attention_split  # noqa: E402
 from pallas_kernels.reference import mla_attention_reference  # noqa: E402
 
@@ -44,7 +47,8 @@ flags.DEFINE_list("contexts", ["60", "1024", "4096", "8192", "32768", "131072"],
 flags.DEFINE_list("nodes", ["1", "9", "17", "33", "65"], "new nodes N (custom)")
 flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes (custom)")
 flags.DEFINE_list("heads", ["64", "8"], "query heads (custom)")
-flags.DEFINE_bool("sweep", False, "also time a set of tilings on the sweep cells")
+flags.DEFINE_list("kernels", ["triton", "mosaic"], "kernels to time: triton, mosaic, mosaic_dup")
+flags.DEFINE_bool("sweep", False, "also time a set of Triton tilings on the sweep cells")
 flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
 flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
 flags.DEFINE_integer("ceiling_size", 8192, "matmul size; the copy moves ceiling_size^2 * 16 bf16 values")
@@ -157,31 +161,63 @@ def matmul_rate() -> float:
     return 2 * n**3 / common.time_fn(lambda: f(a, b))
 
 
-def check(rng: np.random.Generator, config: MLAConfig | None = None) -> list[dict[str, Any]]:
-    """GPU correctness: ragged prefixes, random trees, poisoned partials; rel. err vs an f32 reference."""
+KERNELS = ("triton", "mosaic", "mosaic_dup")
+Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
+
+
+def kernel(name: str, batch: int, rows: int, length: int, triton: MLAConfig | None = None) -> tuple[Kernel, str]:
+    """The kernel `name` with its default tiling for this shape (or the given Triton tiling) and a config label."""
+    if name == "triton":
+        cfg = triton or default_config(batch, rows, length)
+        label = f"r{cfg.block_r}k{cfg.block_k}s{cfg.num_splits}w{cfg.num_warps}st{cfg.num_stages}"
+        return lambda q, c, p, m: mla_attention_split(
+            q, c, p, m, SCALE, DV, config=cfg, interpret=FLAGS.interpret
+        ), label
+    cfg = mla_mosaic.default_config(batch, rows, length)
+    if name == "mosaic_dup":
+        cfg = mla_mosaic.MosaicMLAConfig(num_splits=cfg.num_splits, share_p=False)
+    label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}" + ("" if cfg.share_p else "dup")
+    interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
+    return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
+        q, c, p, m, SCALE, DV, config=cfg, interpret=interpret
+    ), label
+
+
+def check(rng: np.random.Generator) -> list[dict[str, Any]]:
+    """GPU correctness of each --kernels entry: ragged prefixes, random trees (poisoned partials for Triton);
+    rel. err vs an f32 reference."""
     records = []
     shrink = 50 if FLAGS.interpret else 1  # interpret mode is slow: shorter contexts
     for context, n, batch, heads in [(4000, 1, 4, 64), (8100, 17, 3, 8), (300, 33, 2, 64), (50, 65, 2, 8)]:
         context //= shrink
         q, cache, _, mask = make_inputs(rng, context, n, batch, heads)
         prefix = jnp.asarray(rng.integers(0, context + 1, batch), jnp.int32)
-        cfg = config or default_config(batch, n * heads, cache.shape[1])
-        out = mla_attention_split(q, cache, prefix, mask, SCALE, DV, config=cfg, poison=True, interpret=FLAGS.interpret)
         with jax.default_matmul_precision("highest"):
             ref = mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), prefix, mask, SCALE)
-        err = rel_err(out, ref)
-        records.append(
-            {
-                "context": context,
-                "nodes": n,
-                "batch": batch,
-                "heads": heads,
-                "rel_err": err,
-                "ok": bool(err < 1e-2),
-                "config": str(cfg),
-            }
-        )
-        logging.info("check %s", records[-1])
+        for name in FLAGS.kernels:
+            if name == "triton":
+                cfg = default_config(batch, n * heads, cache.shape[1])
+                out = mla_attention_split(
+                    q, cache, prefix, mask, SCALE, DV, config=cfg, poison=True, interpret=FLAGS.interpret
+                )
+                label = str(cfg)
+            else:
+                fn, label = kernel(name, batch, n * heads, cache.shape[1])
+                out = fn(q, cache, prefix, mask)
+            err = rel_err(out, ref)
+            records.append(
+                {
+                    "kernel": name,
+                    "context": context,
+                    "nodes": n,
+                    "batch": batch,
+                    "heads": heads,
+                    "rel_err": err,
+                    "ok": bool(err < 1e-2),
+                    "config": label,
+                }
+            )
+            logging.info("check %s", records[-1])
     return records
 
 
@@ -189,9 +225,9 @@ def bench_cell(
     rng: np.random.Generator,
     cell: tuple[int, int, int, int],
     ceilings: dict[str, float],
-    configs: Sequence[MLAConfig | None],
+    kernels: Sequence[tuple[str, MLAConfig | None]],
 ) -> list[dict[str, Any]]:
-    """Time the reference and each kernel config on one cell; one record per config."""
+    """Time the reference and each (kernel name, Triton tiling or None) on one cell; one record per kernel."""
     context, n, batch, heads = cell
     nbytes, flops = cost(*cell)
     floor = max(nbytes / ceilings["bw"], flops / ceilings["mm"])
@@ -211,19 +247,17 @@ def bench_cell(
         ref_fn = lambda q_, c_, p_, m_: mla_attention_reference(q_, c_, p_, m_, SCALE, DV)
         ref_t = time_per_call(ref_fn, (q, cache, prefix, mask))
     records = []
-    for cfg in configs:
-        cfg = cfg or default_config(batch, n * heads, cache.shape[1])
-        fn = lambda q_, c_, p_, m_, cfg=cfg: mla_attention_split(
-            q_, c_, p_, m_, SCALE, DV, config=cfg, interpret=FLAGS.interpret
-        )
+    for name, triton in kernels:
+        fn, label = kernel(name, batch, n * heads, cache.shape[1], triton)
         try:
             t = time_per_call(fn, (q, cache, prefix, mask))
-        except Exception as e:  # noqa: BLE001 - one failing tiling must not end the run
-            logging.warning("cell %s config %s failed: %s", cell, cfg, str(e)[:300])
+        except Exception as e:  # noqa: BLE001 - one failing kernel or tiling must not end the run
+            logging.warning("cell %s kernel %s %s failed: %s", cell, name, label, str(e)[:300])
             continue
         records.append(
             {
                 **base,
+                "kernel": name,
                 "ref_us": ref_t * 1e6,
                 "kernel_us": t * 1e6,
                 "speedup": ref_t / t,
@@ -232,7 +266,7 @@ def bench_cell(
                 "roofline": floor / t,
                 "ref_roofline": floor / ref_t,
                 "bound": "mem" if nbytes / ceilings["bw"] > flops / ceilings["mm"] else "mma",
-                "config": f"r{cfg.block_r}k{cfg.block_k}s{cfg.num_splits}w{cfg.num_warps}st{cfg.num_stages}",
+                "config": label,
             }
         )
         logging.info("%s", records[-1])
@@ -241,6 +275,8 @@ def bench_cell(
 
 def main(argv: Sequence[str]) -> None:
     del argv
+    if unknown := sorted(set(FLAGS.kernels) - set(KERNELS)):
+        raise UserError(f"--kernels: unknown {unknown}; choose from {list(KERNELS)}")
     t0 = time.time()
     rng = np.random.default_rng(0)
     bw = copy_bandwidth()
@@ -253,6 +289,7 @@ def main(argv: Sequence[str]) -> None:
         "nodes",
         "batch",
         "heads",
+        "kernel",
         "ref_us",
         "kernel_us",
         "speedup",
@@ -270,14 +307,14 @@ def main(argv: Sequence[str]) -> None:
         "checks": checks,
         "inner": FLAGS.inner,
     }
-    work = [(cell, [None]) for cell in cells()]
-    work += [(cell, SWEEP_CONFIGS) for cell in SWEEP_CELLS] if FLAGS.sweep else []
+    work = [(cell, [(name, None) for name in FLAGS.kernels]) for cell in cells()]
+    work += [(cell, [("triton", c) for c in SWEEP_CONFIGS]) for cell in SWEEP_CELLS] if FLAGS.sweep else []
     records = []
     for cell, configs in work:
         records += bench_cell(rng, cell, ceilings, configs)
         path = common.write_results(FLAGS.name, records, columns, FLAGS.out_dir, {**extra, "wall_s": time.time() - t0})
     print(f"ceilings: {extra['ceilings']}")
-    print("checks:", [(c["context"], c["nodes"], c["batch"], c["heads"], f"{c['rel_err']:.1e}") for c in checks])
+    print("checks:", [(c["kernel"], c["nodes"], c["heads"], f"{c['rel_err']:.1e}") for c in checks])
     print(common.markdown_table(records, columns))
     print(f"wrote {path} in {time.time() - t0:.0f} s")
 

@@ -9,17 +9,23 @@ Work layout (FlashMLA-like, simplest form):
   handles one 64-row block against one split (a contiguous range of `block_k`-slot KV tiles, only tiles below
   `prefix_len[b] + N` are read), so grid = (row blocks, splits, batch).
 * Three warpgroups per CTA: a memory warpgroup streams Q `[64, 576]` once and the KV tiles `[block_k, 576]` by
-  TMA into a `num_stages` SMEM ring; two compute warpgroups both compute S = Q K^T for every tile (the QK work is
-  duplicated on purpose, so P never goes through SMEM) and the same online softmax, then each does P V for its
-  own half of the 512 value columns (a `[64, 256]` f32 accumulator = 128 registers per thread). A schedule
-  barrier staggers the two warpgroups (FA3 ping-pong) so one's softmax overlaps the other's wgmma.
+  TMA into a `num_stages` SMEM ring; two compute warpgroups each own half of the 512 value columns (a `[64, 256]`
+  f32 accumulator = 128 registers per thread).
+* Default (`share_p`): the tiles alternate between the compute warpgroups. The owner of a tile computes
+  S = Q K^T with wgmma, the masked online softmax, and publishes P (bf16) and the running max / sum in SMEM; each
+  warpgroup adds P V for its columns, the owner from registers, the other from SMEM at the start of its next
+  tile. So every QK^T and softmax runs once, and one warpgroup's softmax overlaps the other's wgmma.
+  `share_p=False`: both warpgroups compute S and the softmax of every tile (a third of the MMA work is then
+  repeated, at 576 / 512 dims) with an FA3 ping-pong schedule barrier between them.
 * Tiles wholly inside the prefix run unmasked; the last tiles (those touching the N-node block) mask by the slot
   bound and the tree mask, given per row as 32-bit words of ancestor bits (`mla_attention._tree_words`).
 * Each CTA writes a normalised bf16 partial `[64, 512]` (staged in Q's SMEM) and its f32 log-sum-exp; the XLA
   epilogue of `mla_attention` merges the splits.
 
-SMEM: Q 72 KiB + num_stages * block_k * 1152 B (block_k 64 x 2 stages: 144 KiB) + words and barriers, under the
-227 KiB (232,448 B) an H200 CTA may use; `smem_bytes` checks it before lowering.
+SMEM: Q 72 KiB + num_stages * block_k * 1152 B (block_k 64 x 2 stages: 144 KiB) + P 8 KiB + 1 KiB each for the tree
+words and the max / sum / LSE rows + barriers = 231,496 B of the 232,448 an H200 CTA may use (every buffer starts at
+a 1 KiB boundary, and the kernel reserves no cross-warp reduction scratch: its row reductions stay inside a warp);
+`smem_bytes` checks it before lowering. Splits: `wave_splits` (one CTA per SM fits, so whole waves matter).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_attention import _auto_splits, _combine, _tree_words
+from pallas_kernels.mla_attention import _combine, _tree_words
 
 BLOCK_R = 64  # query rows per CTA (one wgmma M tile)
 SMEM_LIMIT = 232_448  # bytes of shared memory one CTA may use on an H100 / H200
@@ -47,12 +53,18 @@ INTERPRET_PARAMS = plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized",
 
 @dataclasses.dataclass(frozen=True)
 class MosaicMLAConfig:
-    """Tiling of the kernel. `num_splits=0` picks the split count from the problem size (~1 CTA per SM)."""
+    """Tiling of the kernel. `num_splits=0` picks the split count from the problem size (`wave_splits`).
+
+    share_p: tiles alternate between the two compute warpgroups; the owner of a tile computes S = Q K^T and the
+    softmax once and passes P (bf16, SMEM) and the running max / sum to the other (`_compute_shared`). Off: both
+    warpgroups compute S for every tile (`_compute_duplicated`, FA3 ping-pong with `schedule_barrier`).
+    """
 
     block_k: int = 64
     num_stages: int = 2
     num_splits: int = 0
     schedule_barrier: bool = True
+    share_p: bool = True
 
     def __post_init__(self):
         if self.block_k % 64 or self.num_stages < 1:  # P V needs K % 64 == 0 with 128-byte swizzled bf16 tiles
@@ -60,11 +72,18 @@ class MosaicMLAConfig:
 
 
 def smem_bytes(config: MosaicMLAConfig, dk: int = 576, value_dim: int = 512, n_words: int = 1) -> int:
-    """Shared memory of one CTA: Q (aliased with the bf16 output), the KV ring, tree words, LSE staging and
-    barriers (8 B each)."""
-    barriers = 8 * (1 + 2 * config.num_stages + 2)
-    q_out = 2 * BLOCK_R * max(dk, value_dim)
-    return q_out + 2 * dk * config.num_stages * config.block_k + 4 * BLOCK_R * (n_words + 1) + barriers
+    """Shared memory of one CTA: Q (aliased with the bf16 output), the KV ring, the tree words, the shared P
+    `[64, block_k]` bf16 (allocated either way), the running max / sum / LSE rows, each at a 1 KiB boundary, then
+    the barriers (8 B each)."""
+    kib = lambda n: pl.cdiv(n, 1024) * 1024
+    buffers = (
+        2 * BLOCK_R * max(dk, value_dim),
+        2 * dk * config.num_stages * config.block_k,
+        4 * n_words * BLOCK_R,
+        2 * BLOCK_R * config.block_k,
+        4 * 3 * BLOCK_R,
+    )
+    return sum(map(kib, buffers)) + 8 * (1 + 2 * config.num_stages + 2 + 2)
 
 
 def _kernel(
@@ -77,12 +96,14 @@ def _kernel(
     q_o_smem,
     kv_smem,
     words_smem,
-    lse_smem,
+    p_smem,
+    stat_smem,
     q_bar,
     kv_bars,
     free_bars,
     sched_bar,
     done_bar,
+    p_bars,
     *,
     scale: float,
     n_nodes: int,
@@ -95,7 +116,9 @@ def _kernel(
     GMEM: prefix_ref `[B]` int32, q_ref `[B, R, dk]`, kv_ref `[B, L, dk]`, words_ref `[B, W, R]` int32;
     outputs o_ref `[B, S, R, dv]` bf16 (normalised partials), lse_ref `[B, S, R]` f32.
     SMEM: q_o_smem = (Q `[64, dk]`, the output `[2, 64, dv / 2]` in the same memory), kv_smem
-    `[stages, block_k, dk]`, words_smem `[W, 64]`, lse_smem `[64]`.
+    `[stages, block_k, dk]`, words_smem `[W, 64]`, p_smem `[64, block_k]` (the last published P; share_p only)
+    and stat_smem `[3, 64]` f32 (rows 0, 1: that P's running max and sum, share_p only; row 2: the output LSE).
+    Every SMEM buffer is placed at a 1 KiB boundary, so the small ones share one.
     """
     block_k, stages = config.block_k, config.num_stages
     q_smem, o_smem = q_o_smem
@@ -104,6 +127,7 @@ def _kernel(
     b = lax.axis_index("batch")
     split = lax.axis_index("split")
     row0 = lax.axis_index("rows") * BLOCK_R
+    qk_scale = scale * _LOG2E
 
     prefix = prefix_ref[b]
     total = prefix + n_nodes
@@ -117,76 +141,135 @@ def _kernel(
         plgpu.barrier_arrive(sched_bar)
         plgpu.barrier_wait(sched_bar)
 
-    def compute(half: int):
-        """Compute warpgroup `half`: the full softmax, output columns [half * dv / 2, (half + 1) * dv / 2)."""
-        plgpu.set_max_registers(232, action="increase")
-        cols = pl.ds(half * half_dv, half_dv)
-        qk_scale = scale * _LOG2E
-        plgpu.barrier_wait(q_bar)
-        words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])]
+    def row_bcast(v, like):
+        return lax.broadcast_in_dim(v, like.shape, [0])
 
-        def tile(t, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(t - t_lo, stages)
-            plgpu.barrier_wait(kv_bars.at[slot])
+    def scores(t, slot, words, masked: bool, ping_pong: bool):
+        """S = Q K_t^T * scale * log2(e) `[64, block_k]` f32 once tile t has landed in `slot`; masked: slots past
+        the visible length and tree slots that are not ancestors are -inf."""
+        plgpu.barrier_wait(kv_bars.at[slot])
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
-                if config.schedule_barrier:
-                    schedule()
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_R, block_k), jnp.float32)) * qk_scale
-            if masked:
-                slot_ids = t * block_k + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                rel = slot_ids - prefix
-                word_idx = lax.shift_right_arithmetic(rel, 5)
-                word = jnp.zeros_like(rel)
-                for k, w in enumerate(words):
-                    word = jnp.where(word_idx == k, lax.broadcast_in_dim(w, s.shape, [0]), word)
-                tree = lax.shift_right_logical(word, rel & 31) & 1
-                visible = (slot_ids < total) & ((rel < 0) | (tree == 1))
-                s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(kv_smem.dtype)
-            if config.schedule_barrier:
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+            if ping_pong:
                 schedule()
+            return acc_ref[...]
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, :, cols])
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_R, block_k), jnp.float32)) * qk_scale
+        if not masked:
+            return s
+        slot_ids = t * block_k + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        rel = slot_ids - prefix
+        word_idx = lax.shift_right_arithmetic(rel, 5)
+        word = jnp.zeros_like(rel)
+        for k, w in enumerate(words):
+            word = jnp.where(word_idx == k, lax.broadcast_in_dim(w, s.shape, [0]), word)
+        tree = lax.shift_right_logical(word, rel & 31) & 1
+        visible = (slot_ids < total) & ((rel < 0) | (tree == 1))
+        return jnp.where(visible, s, -jnp.inf)
 
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(free_bars.at[slot])
-            return acc, m_new, l_i
+    def pv(acc, p, slot, cols):
+        """acc += P V_slot[:, cols] (P in registers or SMEM); then this warpgroup is done with the slot."""
 
-        carry = (
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, p, kv_smem.at[slot, :, cols])
+
+        acc = pl.run_state(body)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(free_bars.at[slot])
+        return acc
+
+    def init_carry():
+        return (
             plgpu.layout_cast(jnp.zeros((BLOCK_R, half_dv), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((BLOCK_R,), _NEG_INIT, jnp.float32), _ROW),
             plgpu.layout_cast(jnp.zeros((BLOCK_R,), jnp.float32), _ROW),
         )
-        if config.schedule_barrier and half == 1:
+
+    def compute_duplicated(half: int, words, cols):
+        """Both warpgroups compute S and the softmax of every tile (FA3 ping-pong between them)."""
+        ping_pong = config.schedule_barrier
+
+        def tile(t, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(t - t_lo, stages)
+            s = scores(t, slot, words, masked, ping_pong)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - row_bcast(m_new, s))
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(kv_smem.dtype)
+            if ping_pong:
+                schedule()
+            return pv(acc * row_bcast(alpha, acc), p16, slot, cols), m_new, l_i
+
+        if ping_pong and half == 1:
             schedule()
-        carry = lax.fori_loop(t_lo, t_full, functools.partial(tile, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(t_full, t_hi, functools.partial(tile, masked=True), carry)
-        if config.schedule_barrier and half == 0:
+        carry = lax.fori_loop(t_lo, t_full, functools.partial(tile, masked=False), init_carry())
+        carry = lax.fori_loop(t_full, t_hi, functools.partial(tile, masked=True), carry)
+        if ping_pong and half == 0:
             schedule()
+        return carry
+
+    def compute_shared(half: int, words, cols):
+        """Step i = t - t_lo belongs to warpgroup i % 2: it computes S and the softmax of that tile once, publishes
+        P and the running (max, sum) in SMEM, then adds its half of P V. The other warpgroup adds its half of P V
+        from SMEM at the start of its next step (or at the end), so P is computed once per tile."""
+        n = t_hi - t_lo
+
+        def consume(i, carry):
+            """acc += P_i V_i[:, cols] with step i's published P; (max, sum) become step i's."""
+            acc, m_i, _ = carry
+            plgpu.barrier_wait(p_bars.at[1 - half])
+            m_new = plgpu.load(stat_smem.at[0], layout=_ROW)
+            l_new = plgpu.load(stat_smem.at[1], layout=_ROW)
+            acc = pv(acc * row_bcast(jnp.exp2(m_i - m_new), acc), p_smem, lax.rem(i, stages), cols)
+            return acc, m_new, l_new
+
+        def own(k, carry, masked: bool):
+            i = 2 * k + half
+            slot = lax.rem(i, stages)
+            s = scores(t_lo + i, slot, words, masked, ping_pong=False)
+            acc, m_i, l_i = lax.fori_loop(0, jnp.minimum(i, 1), lambda _, c: consume(i - 1, c), carry)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - row_bcast(m_new, s))
+            l_new = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(kv_smem.dtype)
+            p_smem[...] = p16  # the other warpgroup read the previous P before it published what we consumed
+            stat_smem.at[0][...] = m_new
+            stat_smem.at[1][...] = l_new
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_bars.at[half])
+            return pv(acc * row_bcast(alpha, acc), p16, slot, cols), m_new, l_new
+
+        own_steps = lambda steps: lax.div(jnp.maximum(steps - half, 0) + 1, 2)  # own steps i < steps
+        k_full, k_end = own_steps(t_full - t_lo), own_steps(n)
+        carry = lax.fori_loop(0, k_full, functools.partial(own, masked=False), init_carry())
+        carry = lax.fori_loop(k_full, k_end, functools.partial(own, masked=True), carry)
+        last_is_other = (n >= 1) & (lax.rem(n + 1, 2) != half)  # step n - 1 belongs to the other warpgroup
+        return lax.fori_loop(0, last_is_other.astype(jnp.int32), lambda _, c: consume(n - 1, c), carry)
+
+    def compute(half: int):
+        """Compute warpgroup `half`: output columns [half * dv / 2, (half + 1) * dv / 2)."""
+        plgpu.set_max_registers(232, action="increase")
+        cols = pl.ds(half * half_dv, half_dv)
+        plgpu.barrier_wait(q_bar)
+        words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])]
+        run = compute_shared if config.share_p else compute_duplicated
+        acc, m_i, l_i = run(half, words, cols)
 
         seen = l_i > 0.0
         l_safe = jnp.where(seen, l_i, 1.0)
-        out = acc * lax.broadcast_in_dim(jnp.where(seen, 1.0 / l_safe, 0.0), acc.shape, [0])
+        out = acc * row_bcast(jnp.where(seen, 1.0 / l_safe, 0.0), acc)
         plgpu.barrier_arrive(done_bar)  # both warpgroups are done reading Q before it is overwritten
         plgpu.barrier_wait(done_bar)
         o_smem.at[half][...] = out.astype(o_smem.dtype)
         if half == 0:
-            lse_smem[...] = jnp.where(seen, m_i / _LOG2E + jnp.log(l_safe), -jnp.inf)
+            stat_smem.at[2][...] = jnp.where(seen, m_i / _LOG2E + jnp.log(l_safe), -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[half], o_ref.at[b, split, pl.ds(row0, BLOCK_R), cols])
         if half == 0:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, BLOCK_R)])
+            plgpu.copy_smem_to_gmem(stat_smem.at[2], lse_ref.at[b, split, pl.ds(row0, BLOCK_R)])
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == 0)(functools.partial(compute, 0))
@@ -215,10 +298,22 @@ def _kernel(
             plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
 
 
+def wave_splits(ctas: int, n_tiles: int, sms: int = 132, overhead_tiles: int = 2) -> int:
+    """KV splits minimising the modelled time waves * (tiles per split + overhead) with one CTA per SM: `ctas`
+    CTAs per split run in ceil(ctas * s / sms) waves of ceil(n_tiles / s) + overhead_tiles tile-times each (the
+    overhead stands for the Q load, the output write and the combine). Ties go to fewer splits."""
+    best, best_cost = 1, None
+    for s in range(1, max(1, n_tiles // 2) + 1):
+        cost = pl.cdiv(ctas * s, sms) * (pl.cdiv(n_tiles, s) + overhead_tiles)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
 def default_config(batch: int, rows: int, max_len: int) -> MosaicMLAConfig:
-    """64-slot tiles in a 2-stage ring; splits for about one CTA per SM (132 on an H200)."""
+    """64-slot tiles in a 2-stage ring, P shared between the warpgroups; splits by `wave_splits`."""
     config = MosaicMLAConfig()
-    splits = _auto_splits(batch * pl.cdiv(rows, BLOCK_R), max_len, config.block_k, target=132)
+    splits = wave_splits(batch * pl.cdiv(rows, BLOCK_R), pl.cdiv(max_len, config.block_k))
     return dataclasses.replace(config, num_splits=splits)
 
 
@@ -251,7 +346,7 @@ def mla_attention_mosaic_split(
         length = padded
     rows = n * heads
     rows_pad = pl.cdiv(rows, BLOCK_R) * BLOCK_R
-    num_splits = config.num_splits or _auto_splits(b * rows_pad // BLOCK_R, length, block_k, target=132)
+    num_splits = config.num_splits or wave_splits(b * rows_pad // BLOCK_R, pl.cdiv(length, block_k))
     qr = jnp.pad(q.reshape(b, rows, dk).astype(latent_cache.dtype), ((0, 0), (0, rows_pad - rows), (0, 0)))
     words = _tree_words(tree_mask, heads, rows_pad)  # [B, W, rows_pad]
     n_words = words.shape[1]
@@ -274,18 +369,22 @@ def mla_attention_mosaic_split(
             ),
             plgpu.SMEM((config.num_stages, block_k, dk), latent_cache.dtype, transforms=swizzled),
             plgpu.SMEM((n_words, BLOCK_R), jnp.int32),
-            plgpu.SMEM((BLOCK_R,), jnp.float32),
+            plgpu.SMEM((BLOCK_R, block_k), latent_cache.dtype, transforms=swizzled),
+            plgpu.SMEM((3, BLOCK_R), jnp.float32),
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_barriers=2),
         ],
         grid=(rows_pad // BLOCK_R, num_splits, b),
         grid_names=("rows", "split", "batch"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, reduction_scratch_bytes=0
+        ),  # row reductions stay in-warp
         interpret=INTERPRET_PARAMS if interpret is True else interpret,
     )
     o_part, lse = kernel(prefix_len.astype(jnp.int32), qr, latent_cache, words)

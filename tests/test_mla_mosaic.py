@@ -44,6 +44,7 @@ from pallas_kernels.mla_mosaic import (
     mla_attention_mosaic,
     mla_attention_mosaic_split,
     smem_bytes,
+    wave_splits,
 )
 from tests.test_mla_attention import DK, DV, SCALE, inputs, random_parent_mask, reference, rel_err
 
@@ -248,14 +249,41 @@ def test_decode_single_node(heads: int, patched_interpreter):
         assert rel_err(run(q, cache, prefix, mask, config), ref) < 1e-2
 
 
-def test_causal_block_no_schedule_barrier(patched_interpreter):
-    """No schedule barrier; a causal 40-node block (two ancestor words)."""
+@pytest.mark.parametrize("config", [MosaicMLAConfig(num_splits=2, share_p=False), MosaicMLAConfig(num_splits=2)])
+def test_causal_block(config: MosaicMLAConfig, patched_interpreter):
+    """A causal 40-node block (two ancestor words), both ways of splitting the softmax work."""
     rng = np.random.default_rng(3)
     batch, n, heads = 2, 40, 2
     q, cache, prefix = inputs(rng, batch, n, heads, 170, [0, 100])
     mask = jnp.asarray(np.broadcast_to(np.tril(np.ones((n, n), bool)), (batch, n, n)))
-    config = MosaicMLAConfig(num_splits=2, schedule_barrier=False)
     assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
+
+
+@pytest.mark.parametrize("share_p", [False, True])
+def test_duplicated_softmax_with_ping_pong(share_p: bool, patched_interpreter):
+    """Both warpgroups computing S, with and without the FA3 schedule barrier; odd tile counts per split."""
+    rng = np.random.default_rng(5)
+    q, cache, prefix = inputs(rng, 2, 5, 8, 450, [201, 390])
+    mask = jnp.asarray(random_parent_mask(rng, 2, 5))
+    for barrier in (True, False):
+        config = MosaicMLAConfig(num_splits=2, share_p=share_p, schedule_barrier=barrier)
+        assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
+
+
+def _makespan(ctas: int, n_tiles: int, splits: int, sms: int, overhead: int) -> int:
+    """List-schedule ctas * splits equal CTAs (ceil(n_tiles / splits) + overhead each) on `sms` SMs."""
+    free = [0] * sms
+    for _ in range(ctas * splits):
+        i = free.index(min(free))
+        free[i] += -(-n_tiles // splits) + overhead
+    return max(free)
+
+
+@pytest.mark.parametrize("ctas, n_tiles", [(136, 129), (264, 129), (8, 65), (128, 2049), (1, 1), (24, 129)])
+def test_wave_splits_minimises_the_makespan(ctas: int, n_tiles: int):
+    """The split count is one whose list-scheduled makespan is the smallest over all counts with >= 2 tiles."""
+    best = min(_makespan(ctas, n_tiles, s, 132, 2) for s in range(1, max(1, n_tiles // 2) + 1))
+    assert _makespan(ctas, n_tiles, wave_splits(ctas, n_tiles), 132, 2) == best
 
 
 def test_cache_shorter_than_a_tile(patched_interpreter):
