@@ -1,12 +1,15 @@
-"""A/B of XLA flag settings on generation: the same budget sweep under each setting, at concurrency 1.
+"""A/B of XLA flag / environment settings on generation: the same budget sweep under each, at concurrency 1.
 
     python -m experiments.ab_flags --setting=default= \
-        --setting=no_split_k=--xla_gpu_enable_split_k_autotuning=false [--budgets=16,32 --cycles=2]
+        --setting=no_split_k=--xla_gpu_enable_split_k_autotuning=false \
+        --setting=mosaic=DDTREE_MLA_KERNEL=mosaic [--budgets=16,32 --cycles=2]
 
-XLA reads XLA_FLAGS once per process, so every setting runs `experiments.sweep --axis=budget` in its own process
-(its flags appended to the ambient XLA_FLAGS). The settings take turns for --cycles cycles (A B A B ...), so drift
-over the run lands on each alike; a cell's tokens/s is the median over cycles of the sweep's own medians. The
-flags change speed, never tokens: tokens per round must match the first setting's (`same_acceptance`).
+A setting is NAME=ITEMS, ITEMS space-separated: `--xla...` flags (appended to the ambient XLA_FLAGS) and `VAR=value`
+environment variables (e.g. DDTREE_MLA_KERNEL, read when a process starts). XLA reads XLA_FLAGS once per process,
+so every setting runs `experiments.sweep --axis=budget` in its own process. The settings take turns for --cycles
+cycles (A B A B ...), so drift over the run lands on each alike; a cell's tokens/s is the median over cycles of the
+sweep's own medians. Settings change speed, never tokens: tokens per round must match the first setting's
+(`same_acceptance`).
 Writes <out_dir>/ab_flags.json and .md (first setting = the baseline of `vs_first`).
 """
 
@@ -14,11 +17,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from absl import flags
 
@@ -27,7 +32,9 @@ from experiments import common, workload
 from experiments.progress import Progress
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("setting", ["default="], "NAME=XLA flags (appended to $XLA_FLAGS); the first is the baseline")
+flags.DEFINE_multi_string(
+    "setting", ["default="], "NAME=ITEMS: --xla flags and VAR=value env variables; the first is the baseline"
+)
 flags.DEFINE_string("target", str(workload.SHIPPED_TARGET), "target checkpoint directory")
 flags.DEFINE_string("drafter", str(workload.SHIPPED_DRAFTER), "DFlash drafter checkpoint directory")
 flags.DEFINE_list("budgets", ["16", "32"], "DDTree budgets (AR and the chain always run)")
@@ -40,26 +47,40 @@ flags.DEFINE_string("out_dir", "", "results directory (default experiments/resul
 COLUMNS = ["setting", "method", "budget", "tokens_per_round", "tokens_per_s", "vs_chain", "vs_first", "same_acceptance"]
 
 
-def parse_settings(raw: list[str]) -> dict[str, str]:
-    """["name=flags", ...] -> {name: flags}, names unique and non-empty."""
-    out: dict[str, str] = {}
+class Setting(NamedTuple):
+    xla_flags: str  # appended to $XLA_FLAGS
+    env: dict[str, str]  # set in the sweep's environment
+
+
+def parse_settings(raw: list[str]) -> dict[str, Setting]:
+    """["NAME=ITEMS", ...] -> {name: Setting}; names unique and non-empty, items `--flag...` or `VAR=value`."""
+    out: dict[str, Setting] = {}
     for item in raw:
         name, sep, value = item.partition("=")
         if not sep or not name or name in out:
             raise UserError(f"--setting {item!r}: want NAME=FLAGS with a new, non-empty NAME")
-        out[name] = value.strip()
+        xla, env = [], {}
+        for token in value.split():
+            var, eq, val = token.partition("=")
+            if token.startswith("--"):
+                xla.append(token)
+            elif eq and re.fullmatch(r"[A-Z_][A-Z0-9_]*", var):
+                env[var] = val
+            else:
+                raise UserError(f"--setting {item!r}: {token!r} is neither an --xla flag nor VAR=value")
+        out[name] = Setting(" ".join(xla), env)
     return out
 
 
-def run_sweep(flags_: str, out_dir: Path) -> list[dict]:
-    """One `sweep --axis=budget` process under `flags_` -> its records."""
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags_}".strip()}
+def run_sweep(setting: Setting, out_dir: Path) -> list[dict]:
+    """One `sweep --axis=budget` process under `setting` -> its records."""
+    env = {**os.environ, **setting.env, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {setting.xla_flags}".strip()}
     cmd = [sys.executable, "-m", "experiments.sweep", "--axis=budget", f"--budgets={','.join(FLAGS.budgets)}"]
     cmd += [f"--target={FLAGS.target}", f"--drafter={FLAGS.drafter}", f"--repeats={FLAGS.repeats}"]
     cmd += [f"--num_prompts={FLAGS.num_prompts}", f"--max_new_tokens={FLAGS.max_new_tokens}", f"--out_dir={out_dir}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"sweep under XLA_FLAGS={env['XLA_FLAGS']!r} failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"sweep under {setting} failed:\n{proc.stderr[-2000:]}")
     return json.loads((out_dir / "sweep_budget.json").read_text())["records"]
 
 
@@ -92,7 +113,8 @@ def main(_) -> None:
         rows.append(
             {
                 "setting": name,
-                "xla_flags": settings[name],
+                "xla_flags": settings[name].xla_flags,
+                "env": " ".join(f"{k}={v}" for k, v in settings[name].env.items()),
                 "method": method,
                 "budget": budget,
                 **c,

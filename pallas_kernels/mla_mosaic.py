@@ -64,7 +64,7 @@ class MosaicMLAConfig:
     num_stages: int = 2
     num_splits: int = 0
     schedule_barrier: bool = True
-    share_p: bool = True
+    share_p: bool = False
 
     def __post_init__(self):
         if self.block_k % 64 or self.num_stages < 1:  # P V needs K % 64 == 0 with 128-byte swizzled bf16 tiles

@@ -289,7 +289,7 @@ def test_ab_flags(tiny_pair, tmp_path):
     run(
         "ab_flags",
         "--setting=base=",
-        "--setting=text=--xla_dump_hlo_as_text=false",
+        "--setting=text=--xla_dump_hlo_as_text=false DDTREE_MLA_KERNEL=triton",
         f"--target={target}",
         f"--drafter={drafter}",
         "--budgets=4",
@@ -306,12 +306,14 @@ def test_ab_flags(tiny_pair, tmp_path):
     assert all(r["same_acceptance"] and r["tokens_per_s"] > 0 for r in recs)
     assert [r["vs_first"] for r in recs[:3]] == [1.0, 1.0, 1.0]
     assert recs[4]["xla_flags"] == "--xla_dump_hlo_as_text=false" and recs[1]["vs_chain"] == 1.0
+    assert recs[4]["env"] == "DDTREE_MLA_KERNEL=triton" and recs[0]["env"] == ""
 
 
 @pytest.mark.parametrize(
     "module,arg,says",
     [
         ("ab_flags", "--setting=--xla_foo", "want NAME=FLAGS"),  # raised by the script
+        ("ab_flags", "--setting=x=xla_foo", "neither an --xla flag nor VAR=value"),
         ("ab_flags", "--cycles=two", "--cycles"),  # a flag absl cannot parse
         ("sweep", "--repeats=", "--repeats"),
     ],

@@ -222,14 +222,15 @@ def run(q, cache, prefix, mask, config: MosaicMLAConfig | None, races: bool = Fa
     return out
 
 
-@pytest.mark.parametrize("n", [17, 33])
-def test_tree_verify_random_parents(n: int, patched_interpreter):
-    """Ragged prefixes (0, mid-tile, cache end), 2-3 row blocks, 3 splits; N = 33 needs two ancestor words."""
+@pytest.mark.parametrize("n, share_p", [(17, False), (17, True), (33, False)])
+def test_tree_verify_random_parents(n: int, share_p: bool, patched_interpreter):
+    """Ragged prefixes (0, mid-tile, cache end), 2-3 row blocks, 3 splits; N = 33 needs two ancestor words.
+    Race detection on at N = 17."""
     rng = np.random.default_rng(n)
     batch, heads, length = 3, 4, 203
     q, cache, prefix = inputs(rng, batch, n, heads, length, [0, 70, length - n])
     mask = jnp.asarray(random_parent_mask(rng, batch, n))
-    out = run(q, cache, prefix, mask, MosaicMLAConfig(num_splits=3), races=n == 17)
+    out = run(q, cache, prefix, mask, MosaicMLAConfig(num_splits=3, share_p=share_p), races=n == 17)
     ref = reference(q, cache, prefix, mask)
     assert out.shape == (batch, n, heads, DV) and out.dtype == q.dtype
     assert rel_err(out, ref) < 1e-2
@@ -260,8 +261,8 @@ def test_causal_block(config: MosaicMLAConfig, patched_interpreter):
 
 
 @pytest.mark.parametrize("share_p", [False, True])
-def test_duplicated_softmax_with_ping_pong(share_p: bool, patched_interpreter):
-    """Both warpgroups computing S, with and without the FA3 schedule barrier; odd tile counts per split."""
+def test_schedule_barrier_on_and_off(share_p: bool, patched_interpreter):
+    """With and without the FA3 schedule barrier (used only when both warpgroups compute S); odd tile counts."""
     rng = np.random.default_rng(5)
     q, cache, prefix = inputs(rng, 2, 5, 8, 450, [201, 390])
     mask = jnp.asarray(random_parent_mask(rng, 2, 5))
