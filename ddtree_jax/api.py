@@ -8,6 +8,7 @@ res.tokens[0], res.stats[0]["tokens_per_round"], res.tokens_per_s
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from jax.sharding import Mesh
 
 from ddtree_jax import engine, sharding, topk
 from ddtree_jax.config import check_pair
-from ddtree_jax.errors import NumericsError
+from ddtree_jax.errors import NumericsError, UserError
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
 from pallas_kernels import dispatch
@@ -61,6 +62,7 @@ class Generator:
             if drafter is not None:
                 sharding.shard_model(drafter, self.mesh)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.trained_context: int | None = None  # window length the target was trained on, when its checkpoint says
         self._compiled: dict[tuple, tuple] = {}  # (spec, dispatch.state()) -> compiled program and states
         self.compile_seconds: dict[engine.GenSpec, float] = {}  # per program, however it was compiled
 
@@ -89,7 +91,9 @@ class Generator:
         target = load_target(target_dir, dtype=dtype, sharding_fn=place)
         drafter = load_drafter(drafter_dir, dtype=dtype) if drafter_dir is not None else None
         tok = load_tokenizer(target_dir) if has_tokenizer(target_dir) else None
-        return cls(target, drafter, tok, mesh=mesh)
+        gen = cls(target, drafter, tok, mesh=mesh)
+        gen.trained_context = trained_context(Path(target_dir))
+        return gen
 
     def spec(
         self,
@@ -164,6 +168,16 @@ class Generator:
         this batch size (extra rows repeat the last prompt and are dropped) so batches share one compilation."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if self.trained_context is not None and longest > self.trained_context:
+            logging.log_first_n(
+                logging.WARNING,
+                "this request reaches %d tokens of context, past the %d-token windows the target was trained on "
+                "(training_manifest.json): its tokens beyond that are unreliable, and acceptance drops with them",
+                1,
+                longest,
+                self.trained_context,
+            )
         settings = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
         spec = self.spec_for(prompts, method=method, budget=budget, pad_batch_to=pad_batch_to, **settings)
         n, batch = len(prompts), spec.batch
@@ -198,3 +212,15 @@ class Generator:
             )
         total = sum(len(t) for t in result_tokens)
         return GenerationResult(result_tokens, stats, wall, compile_s, total / wall if wall > 0 else 0.0, spec)
+
+
+def trained_context(target_dir: Path) -> int | None:
+    """The window length (`flags.seq_len`) in the target's training_manifest.json (our own trained checkpoints), or
+    None when there is no manifest (e.g. a real Kimi checkpoint)."""
+    path = target_dir / "training_manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        return int(json.loads(path.read_text())["flags"]["seq_len"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: no integer flags.seq_len ({e})") from e

@@ -3,8 +3,8 @@
 Measures in the same run the device copy bandwidth and the bf16 matmul rate (the two ceilings), checks each
 kernel on the GPU (rel. err vs an f32 reference; the Triton kernel with poisoned partial outputs), then times the
 reference and each --kernels entry over a matrix of (context, nodes, batch, heads) cells: `triton`
-(`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: P shared between the compute warpgroups) and
-`mosaic_dup` (the same with S computed by both warpgroups, `share_p=False`). Per cell: time, bytes, FLOPs and the
+(`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S computed by both compute warpgroups) and
+`mosaic_shared_p` (the same with P shared between them, `share_p=True`). Per cell: time, bytes, FLOPs and the
 roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. Each timing runs `--inner` calls inside one
 jitted loop, so launch gaps between kernels count but host dispatch does not. Results are rewritten after
 every cell.
@@ -15,6 +15,7 @@ every cell.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -47,7 +48,7 @@ flags.DEFINE_list("contexts", ["60", "1024", "4096", "8192", "32768", "131072"],
 flags.DEFINE_list("nodes", ["1", "9", "17", "33", "65"], "new nodes N (custom)")
 flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes (custom)")
 flags.DEFINE_list("heads", ["64", "8"], "query heads (custom)")
-flags.DEFINE_list("kernels", ["triton", "mosaic"], "kernels to time: triton, mosaic, mosaic_dup")
+flags.DEFINE_list("kernels", ["triton", "mosaic"], "kernels to time: triton, mosaic, mosaic_shared_p")
 flags.DEFINE_bool("sweep", False, "also time a set of Triton tilings on the sweep cells")
 flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
 flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
@@ -161,7 +162,7 @@ def matmul_rate() -> float:
     return 2 * n**3 / common.time_fn(lambda: f(a, b))
 
 
-KERNELS = ("triton", "mosaic", "mosaic_dup")
+KERNELS = ("triton", "mosaic", "mosaic_shared_p")
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
 
@@ -174,9 +175,9 @@ def kernel(name: str, batch: int, rows: int, length: int, triton: MLAConfig | No
             q, c, p, m, SCALE, DV, config=cfg, interpret=FLAGS.interpret
         ), label
     cfg = mla_mosaic.default_config(batch, rows, length)
-    if name == "mosaic_dup":
-        cfg = mla_mosaic.MosaicMLAConfig(num_splits=cfg.num_splits, share_p=False)
-    label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}" + ("" if cfg.share_p else "dup")
+    if name == "mosaic_shared_p":
+        cfg = dataclasses.replace(cfg, share_p=True)
+    label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}" + ("shp" if cfg.share_p else "")
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
         q, c, p, m, SCALE, DV, config=cfg, interpret=interpret

@@ -6,8 +6,10 @@ reference elsewhere, or whatever `use_kernels(...)` / the DDTREE_KERNELS environ
 CPU). Every choice is logged once per (op, implementation).
 
 MLA attention has two Pallas kernels: the Pallas-Triton one (`mla_attention.py`, any head dim) and the Mosaic GPU
-one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim). `set_mla_backend` / DDTREE_MLA_KERNEL
-("triton" | "mosaic") picks; a shape the Mosaic kernel does not take runs on Triton, and that is logged.
+one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim). `set_mla_backend` / DDTREE_MLA_KERNEL picks:
+"triton", "mosaic", or "auto" (default): Mosaic on a Hopper GPU for calls with at least MOSAIC_MIN_ROWS query rows
+(nodes x heads: tree verify with many heads, where bench_mla measured it 1.2-1.7x faster than Triton), Triton for
+the rest (decode, few heads). A shape the Mosaic kernel does not take runs on Triton. Every choice is logged once.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from pallas_kernels import reference
 
 _MODES = ("auto", "reference", "pallas", "interpret")
 _OPS = ("moe_swiglu", "mla_attention", "build_tree")
-_MLA_BACKENDS = ("triton", "mosaic")
+_MLA_BACKENDS = ("auto", "triton", "mosaic")
+MOSAIC_MIN_ROWS = 512
 _mode = "auto"
 _op_modes: dict[str, str] = {}  # per-op overrides of _mode (`use_kernels(mode, op=...)`)
-_mla_backend = "triton"
+_mla_backend = "auto"
 _logged: set[tuple[str, str]] = set()
 
 
@@ -70,7 +73,7 @@ def kernel_mode() -> str:
 
 
 def set_mla_backend(name: str) -> None:
-    """Which Pallas MLA kernel `mla_attention` runs in Pallas mode: "triton" or "mosaic"."""
+    """Which Pallas MLA kernel `mla_attention` runs in Pallas mode: "auto", "triton" or "mosaic"."""
     global _mla_backend
     if name not in _MLA_BACKENDS:
         raise ValueError(f"MLA kernel {name!r} not one of {_MLA_BACKENDS}")
@@ -148,14 +151,27 @@ def _mla_kernel():
     return mla_attention_pallas
 
 
+def _is_hopper() -> bool:
+    """The default device is a compute-capability 9.x GPU (wgmma; what the Mosaic kernel is written for)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
 def mla_kernel_for(q: jax.Array, latent_cache: jax.Array, value_dim: int):
     """The Pallas MLA kernel for these shapes under the selected backend (q `[B, N, Hq, Dk]`, cache `[B, L, Dk]`)."""
-    if _mla_backend == "mosaic":
-        dk = q.shape[-1]
+    _, n, heads, dk = q.shape
+    if _mla_backend == "auto" and not (n * heads >= MOSAIC_MIN_ROWS and _is_hopper()):
+        _log_once(
+            ("mla_attention", f"auto-triton-{n}x{heads}"), "mla_attention: Triton kernel for %d x %d rows", n, heads
+        )
+        return _mla_kernel()
+    if _mla_backend != "triton":
         if latent_cache.dtype == jax.numpy.bfloat16 and dk % 64 == 0 and value_dim % 128 == 0:
             from pallas_kernels.mla_mosaic import mla_attention_mosaic
 
-            _log_once(("mla_attention", "mosaic"), "mla_attention: Mosaic GPU kernel")
+            _log_once(
+                ("mla_attention", f"mosaic-{n}x{heads}"), "mla_attention: Mosaic kernel for %d x %d rows", n, heads
+            )
             return mla_attention_mosaic
         _log_once(
             ("mla_attention", f"mosaic-unsupported-{dk}-{value_dim}-{latent_cache.dtype}"),
@@ -169,4 +185,4 @@ def mla_kernel_for(q: jax.Array, latent_cache: jax.Array, value_dim: int):
 
 
 set_kernel_mode(os.environ.get("DDTREE_KERNELS", "auto"))  # an unknown value fails at import, naming it
-set_mla_backend(os.environ.get("DDTREE_MLA_KERNEL", "triton"))
+set_mla_backend(os.environ.get("DDTREE_MLA_KERNEL", "auto"))

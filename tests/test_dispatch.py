@@ -17,16 +17,28 @@ from pallas_kernels.mla_mosaic import mla_attention_mosaic
 @pytest.fixture(autouse=True)
 def restore_backend():
     yield
-    dispatch.set_mla_backend("triton")
+    dispatch.set_mla_backend("auto")
 
 
-def shapes(dk: int, dtype=jnp.bfloat16):
-    return jnp.zeros((2, 3, 8, dk), dtype), jnp.zeros((2, 64, dk), dtype)
+def shapes(dk: int, dtype=jnp.bfloat16, nodes: int = 3, heads: int = 8):
+    return jnp.zeros((2, nodes, heads, dk), dtype), jnp.zeros((2, 64, dk), dtype)
+
+
+def test_auto_backend_takes_mosaic_for_many_rows_on_hopper_only(monkeypatch):
+    many = shapes(576, nodes=17, heads=64)  # 1088 rows
+    few = shapes(576, nodes=33, heads=8)  # 264 rows
+    for hopper, want_many in ((True, mla_attention_mosaic), (False, mla_attention_pallas)):
+        monkeypatch.setattr(dispatch, "_is_hopper", lambda h=hopper: h)
+        assert dispatch.mla_kernel_for(*many, 512) is want_many
+        assert dispatch.mla_kernel_for(*few, 512) is mla_attention_pallas
+        assert dispatch.mla_kernel_for(*shapes(576, jnp.float32, 17, 64), 512) is mla_attention_pallas
+    assert not dispatch._is_hopper()  # this CPU
 
 
 def test_mla_backend_selects_the_kernel_the_shapes_allow():
     q, cache = shapes(576)
-    assert dispatch.mla_kernel_for(q, cache, 512) is mla_attention_pallas  # default: Triton
+    dispatch.set_mla_backend("triton")
+    assert dispatch.mla_kernel_for(q, cache, 512) is mla_attention_pallas
     dispatch.set_mla_backend("mosaic")
     assert dispatch.mla_kernel_for(q, cache, 512) is mla_attention_mosaic
     assert dispatch.mla_kernel_for(*shapes(160), 128) is mla_attention_pallas  # 64 does not divide Dk

@@ -316,6 +316,7 @@ def test_ab_flags(tiny_pair, tmp_path):
         ("ab_flags", "--setting=x=xla_foo", "neither an --xla flag nor VAR=value"),
         ("ab_flags", "--cycles=two", "--cycles"),  # a flag absl cannot parse
         ("sweep", "--repeats=", "--repeats"),
+        ("bench_mla", "--kernels=mosaic_dup", "unknown"),
     ],
 )
 def test_experiment_bad_input_is_one_line_and_exit_2(module, arg, says):
@@ -325,3 +326,23 @@ def test_experiment_bad_input_is_one_line_and_exit_2(module, arg, says):
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], lines
+
+
+def test_bench_mla_interpret(tmp_path):
+    """bench_mla on CPU (Triton kernel in interpret mode): ceilings, checks against the f32 reference, one cell."""
+    run(
+        "bench_mla",
+        "--interpret",
+        "--preset=custom",
+        "--contexts=100",
+        "--nodes=3",
+        "--batches=2",
+        "--heads=8",
+        "--kernels=triton",
+        "--ceiling_size=256",
+        f"--out_dir={tmp_path}",
+    )
+    payload = json.loads((tmp_path / "bench_mla.json").read_text())
+    assert all(c["ok"] and c["kernel"] == "triton" for c in payload["checks"]) and len(payload["checks"]) == 4
+    (rec,) = records(tmp_path / "bench_mla.json")
+    assert (rec["context"], rec["nodes"], rec["kernel"]) == (100, 3, "triton") and rec["kernel_us"] > 0

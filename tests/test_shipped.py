@@ -58,3 +58,28 @@ def test_greedy_ddtree_equals_ar_and_accepts(generator):
     assert len(ar.tokens[0]) == 32
     assert tree.tokens == ar.tokens
     assert tree.stats[0]["tokens_per_round"] > 1.5
+
+
+def test_a_request_past_the_trained_window_is_logged(generator, monkeypatch):
+    """The target was trained on 512-token windows: a longer request runs, and says so once."""
+    from absl import logging
+
+    assert generator.trained_context == 512
+    warnings = []
+    monkeypatch.setattr(logging, "log_first_n", lambda level, msg, n, *args: warnings.append(msg % args))
+    generator.generate([[5] * 20], method="ar", max_new_tokens=4, ignore_eos=True)
+    assert warnings == []
+    generator.generate([[5] * 510], method="ar", max_new_tokens=4, ignore_eos=True)
+    assert len(warnings) == 1 and "514 tokens" in warnings[0] and "512-token windows" in warnings[0]
+
+
+def test_trained_context_reads_the_manifest(tmp_path):
+    from ddtree_jax.api import trained_context
+    from ddtree_jax.errors import UserError
+
+    assert trained_context(tmp_path) is None  # no manifest: a checkpoint we did not train
+    (tmp_path / "training_manifest.json").write_text('{"flags": {"seq_len": 2048}}')
+    assert trained_context(tmp_path) == 2048
+    (tmp_path / "training_manifest.json").write_text('{"flags": {}}')
+    with pytest.raises(UserError, match="flags.seq_len"):
+        trained_context(tmp_path)
