@@ -50,6 +50,7 @@ flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes (custom)")
 flags.DEFINE_list("heads", ["64", "8"], "query heads (custom)")
 flags.DEFINE_list("kernels", ["triton", "mosaic"], "kernels to time: triton, mosaic, mosaic_shared_p")
 flags.DEFINE_bool("sweep", False, "also time a set of Triton tilings on the sweep cells")
+flags.DEFINE_list("mosaic_splits", [], "also time the Mosaic kernel at each of these split counts on every cell")
 flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
 flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
 flags.DEFINE_integer("ceiling_size", 8192, "matmul size; the copy moves ceiling_size^2 * 16 bf16 values")
@@ -166,10 +167,11 @@ KERNELS = ("triton", "mosaic", "mosaic_shared_p")
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
 
-def kernel(name: str, batch: int, rows: int, length: int, triton: MLAConfig | None = None) -> tuple[Kernel, str]:
-    """The kernel `name` with its default tiling for this shape (or the given Triton tiling) and a config label."""
+def kernel(name: str, batch: int, rows: int, length: int, splits: int | MLAConfig | None = None) -> tuple[Kernel, str]:
+    """The kernel `name` with its default tiling for this shape and a config label; `splits`: a Triton tiling, or a
+    Mosaic split count replacing the default one."""
     if name == "triton":
-        cfg = triton or default_config(batch, rows, length)
+        cfg = splits or default_config(batch, rows, length)
         label = f"r{cfg.block_r}k{cfg.block_k}s{cfg.num_splits}w{cfg.num_warps}st{cfg.num_stages}"
         return lambda q, c, p, m: mla_attention_split(
             q, c, p, m, SCALE, DV, config=cfg, interpret=FLAGS.interpret
@@ -177,6 +179,8 @@ def kernel(name: str, batch: int, rows: int, length: int, triton: MLAConfig | No
     cfg = mla_mosaic.default_config(batch, rows, length)
     if name == "mosaic_shared_p":
         cfg = dataclasses.replace(cfg, share_p=True)
+    if isinstance(splits, int):
+        cfg = dataclasses.replace(cfg, num_splits=splits)
     label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}" + ("shp" if cfg.share_p else "")
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
@@ -226,9 +230,9 @@ def bench_cell(
     rng: np.random.Generator,
     cell: tuple[int, int, int, int],
     ceilings: dict[str, float],
-    kernels: Sequence[tuple[str, MLAConfig | None]],
+    kernels: Sequence[tuple[str, int | MLAConfig | None]],
 ) -> list[dict[str, Any]]:
-    """Time the reference and each (kernel name, Triton tiling or None) on one cell; one record per kernel."""
+    """Time the reference and each (kernel name, `kernel`'s splits argument) on one cell; one record per kernel."""
     context, n, batch, heads = cell
     nbytes, flops = cost(*cell)
     floor = max(nbytes / ceilings["bw"], flops / ceilings["mm"])
@@ -248,8 +252,8 @@ def bench_cell(
         ref_fn = lambda q_, c_, p_, m_: mla_attention_reference(q_, c_, p_, m_, SCALE, DV)
         ref_t = time_per_call(ref_fn, (q, cache, prefix, mask))
     records = []
-    for name, triton in kernels:
-        fn, label = kernel(name, batch, n * heads, cache.shape[1], triton)
+    for name, splits in kernels:
+        fn, label = kernel(name, batch, n * heads, cache.shape[1], splits)
         try:
             t = time_per_call(fn, (q, cache, prefix, mask))
         except Exception as e:  # noqa: BLE001 - one failing kernel or tiling must not end the run
@@ -310,6 +314,9 @@ def main(argv: Sequence[str]) -> None:
     }
     work = [(cell, [(name, None) for name in FLAGS.kernels]) for cell in cells()]
     work += [(cell, [("triton", c) for c in SWEEP_CONFIGS]) for cell in SWEEP_CELLS] if FLAGS.sweep else []
+    work += (
+        [(cell, [("mosaic", int(s)) for s in FLAGS.mosaic_splits]) for cell in cells()] if FLAGS.mosaic_splits else []
+    )
     records = []
     for cell, configs in work:
         records += bench_cell(rng, cell, ceilings, configs)
