@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_interpret
 from pallas_kernels.mla_attention import _combine, _tree_words
 
 BLOCK_R = 64  # query rows per CTA (one wgmma M tile)
@@ -331,10 +332,13 @@ def mla_attention_mosaic_split(
 ) -> jax.Array:
     """`mla_attention_mosaic` with an explicit tiling: `[B, N, Hq, value_dim]` in q.dtype.
 
-    interpret: run in Mosaic GPU interpret mode on CPU; True means `INTERPRET_PARAMS`.
+    interpret: run in Mosaic GPU interpret mode on CPU; True means `INTERPRET_PARAMS`. The interpreter is patched
+    for this kernel first (`mosaic_interpret.install`).
     """
     b, n, heads, dk = q.shape
     length = latent_cache.shape[1]
+    if interpret:
+        mosaic_interpret.install()
     if latent_cache.dtype != jnp.bfloat16 or value_dim % 128 or dk % 64:
         raise ValueError(f"need a bf16 cache, value_dim % 128 == 0, dk % 64 == 0; got {latent_cache.dtype} {dk}")
     block_k = config.block_k

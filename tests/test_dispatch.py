@@ -97,3 +97,25 @@ def test_gpu_auto_runs_the_moe_kernel_only_on_bf16_and_logs_the_slow_path(monkey
     assert (calls == [dtype]) == kernel_runs
     if not kernel_runs:
         assert out.shape == (3, 64) and any("SLOW PATH" in m and "float32" in m for m in logged)
+
+
+def test_interpret_mode_reaches_the_mosaic_kernel(monkeypatch):
+    """DDTREE_KERNELS=interpret with the Mosaic backend runs that kernel in GPU interpret mode (the interpreter is
+    patched on first use, `mosaic_interpret.install`) and matches the reference on a random tree."""
+    import numpy as np
+
+    from pallas_kernels import mla_mosaic
+    from tests.test_mla_attention import DV, SCALE, inputs, random_parent_mask, reference, rel_err
+
+    calls = []
+    kernel = mla_mosaic.mla_attention_mosaic
+    monkeypatch.setattr(mla_mosaic, "mla_attention_mosaic", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+
+    rng = np.random.default_rng()
+    q, cache, prefix = inputs(rng, 2, 5, 4, 96, [0, int(rng.integers(1, 91))])
+    mask = jnp.asarray(random_parent_mask(rng, 2, 5))
+    dispatch.set_mla_backend("mosaic")
+    with dispatch.use_kernels("interpret", op="mla_attention"):
+        out = dispatch.mla_attention(q, cache, prefix, mask, SCALE, DV)
+    assert calls == [{"interpret": True}]
+    assert rel_err(out, reference(q, cache, prefix, mask)) < 1e-2

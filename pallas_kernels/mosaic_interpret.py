@@ -1,0 +1,172 @@
+"""Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`) for the MLA kernel on jax 0.11.2.
+
+jax 0.11.2's GPU interpreter lacks two things `mla_mosaic.py` (like the shipped `attention_mgpu`) uses:
+`pl.run_state` with a wgmma accumulator (it binds the primitive raw, which then fails with "Cannot lower jaxpr with
+effects: _WGMMAPipelineEffect, IOEffect") and wgmma with a register LHS (it reads every operand from simulated
+SMEM). `install()` adds both to the interpreter class, with the documented semantics (the accumulator starts at the
+init value, wgmma adds a @ b, run_state returns the final values); everything else still runs the interpreter's own
+code. Installed once per process, on the first interpret-mode call of the Mosaic MLA kernel (logged). Interpret
+mode only: nothing here runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from absl import logging
+from jax._src import api_util, callback
+from jax._src import core as jax_core
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
+from jax._src.pallas.mosaic_gpu import core as mgpu_core
+from jax._src.pallas.mosaic_gpu import primitives as mgpu_primitives
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as interp
+from jax._src.pallas.mosaic_gpu.interpret import shared_memory as memory
+from jax._src.state import discharge as state_discharge
+from jax._src.state import primitives as state_primitives
+from jax._src.state import types as state_types
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_installed = False
+
+
+@gpu_callbacks.fail_on_exception
+def _wgmma_register_lhs(*, token, mesh_location, thread, acc_key, acc_transforms, a, b_key, b_transforms, source_info):
+    """`gpu_callbacks.wgmma` with the LHS given as a value (registers) instead of an SMEM buffer."""
+    acc_key = memory.HostAllocationKey.from_array(acc_key)
+    b_key = memory.HostAllocationKey.from_array(b_key)
+    acc_transforms = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(acc_transforms))
+    b_transforms = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(b_transforms))
+    shared = gpu_callbacks._get_shared_memory()
+    info = memory.GPULoggingInfo(mesh_location, thread, source_info)
+    b, _, _ = shared.get_buffer_content(b_key, shared.access(b_key, b_transforms), thread, logging_info=info)
+    acc_range = shared.access(acc_key, acc_transforms)
+    acc, _, _ = shared.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
+    res = acc + np.matmul(np.asarray(a), b, dtype=acc.dtype)
+    shared.store_buffer_content(acc_key, acc_range, res, thread, logging_info=info)
+    return token
+
+
+def _interpret_wgmma(orig, self, eqn, token, get_invals):
+    if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
+        return orig(self, eqn, token, get_invals)
+    acc, a, b, *leaves = get_invals()
+    empty = jax.tree.structure([])
+    acc_t, _, b_t = jax.tree.unflatten(
+        jax.tree_util.treedef_tuple([eqn.params[f"{k}_transforms_tree"] or empty for k in ("acc", "a", "b")]),
+        leaves,
+    )
+    acc, acc_t = interp.resolve_ref(eqn.invars[0].aval, acc, acc_t)
+    b, b_t = interp.resolve_ref(eqn.invars[2].aval, b, b_t)
+    token = callback.io_callback(
+        functools.partial(_wgmma_register_lhs, source_info=eqn.source_info),
+        gpu_callbacks.TOKEN_SHAPE_DTYPE,
+        token=token,
+        mesh_location=self.mesh_location,
+        thread=self.thread,
+        acc_key=acc,
+        acc_transforms=acc_t,
+        a=a,
+        b_key=b,
+        b_transforms=b_t,
+    )
+    return token, []
+
+
+def is_ref(x: jax_core.Atom) -> bool:
+    return isinstance(x.aval, state_types.AbstractRef)
+
+
+def _run_state_as_scoped(eqn: jax_core.JaxprEqn) -> jax_core.Jaxpr:
+    """A jaxpr computing a `run_state` of wgmma accumulators with `run_scoped`: inputs as `eqn`'s, outputs those of
+    `eqn` for its non-ref inputs (refs pass through). The body runs on zeroed accumulators (it may only add to
+    them with wgmma), whose final values are added to the initial ones; plain-value inputs are read directly.
+    """
+    body = eqn.params["jaxpr"]
+    acc_idx = [i for i, v in enumerate(body.invars) if isinstance(v.aval, mgpu_core.WGMMAAbstractAccumulatorRef)]
+    values = {v for v, x in zip(body.invars, eqn.invars, strict=True) if not is_ref(x)}
+
+    def replacement(*vals):
+        def scoped(*acc_refs):
+            env = dict(zip(body.invars, vals, strict=True))
+            env.update((body.invars[i], r) for i, r in zip(acc_idx, acc_refs, strict=True))
+            for e in body.eqns:
+                if e.primitive is not mgpu_primitives.wgmma_ref_p and not (
+                    e.primitive is state_primitives.get_p and e.invars[0] in values
+                ):
+                    raise NotImplementedError(f"run_state body with {e.primitive}")
+                ins = [x.val if isinstance(x, jax_core.Literal) else env[x] for x in e.invars]
+                outs = [ins[0]] if e.primitive is state_primitives.get_p else e.primitive.bind(*ins, **e.params)
+                env.update(zip(e.outvars, outs, strict=True))
+            return [r[...] for r in acc_refs]
+
+        sums = pl.run_scoped(scoped, *[plgpu.ACC(vals[i].shape, vals[i].dtype) for i in acc_idx])
+        finals = {i: vals[i] + x for i, x in zip(acc_idx, sums, strict=True)}
+        return [finals.get(i, x) for i, (x, v) in enumerate(zip(vals, eqn.invars, strict=True)) if not is_ref(v)]
+
+    avals = [v.aval for v in eqn.invars]
+    debug = api_util.debug_info("run_state", replacement, tuple(avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(replacement, debug_info=debug), avals)
+    assert not consts
+    return jaxpr
+
+
+def _inline_run_state(jaxpr: jax_core.Jaxpr) -> jax_core.Jaxpr:
+    """`jaxpr` with each top-level `run_state` eqn replaced by the eqns of `_run_state_as_scoped`."""
+    eqns, alias = [], {}
+
+    def sub(x):
+        return alias.get(x, x) if isinstance(x, jax_core.Var) else x
+
+    for eqn in jaxpr.eqns:
+        eqn = eqn.replace(invars=[sub(x) for x in eqn.invars])
+        if eqn.primitive is not state_discharge.run_state_p:
+            eqns.append(eqn)
+            continue
+        repl = _run_state_as_scoped(eqn)
+        names = dict(zip(repl.invars, eqn.invars, strict=True))
+        r_outs = iter(repl.outvars)
+        for x, out in zip(eqn.invars, eqn.outvars, strict=True):
+            r_out = x if is_ref(x) else next(r_outs)
+            if r_out in names or is_ref(x):  # passed through: later uses read the input
+                alias[out] = names.get(r_out, x)
+            elif not isinstance(out, jax_core.DropVar):
+                names[r_out] = out
+        for e in repl.eqns:
+            rename = [names.get(x, x) for x in e.invars], [names.get(x, x) for x in e.outvars]
+            eqns.append(e.replace(invars=rename[0], outvars=rename[1]))
+    return jaxpr.replace(eqns=eqns, outvars=[sub(x) for x in jaxpr.outvars])
+
+
+def _interpret(orig, self, jaxpr, token, *args):
+    if isinstance(jaxpr, jax_core.ClosedJaxpr):
+        if any(e.primitive is state_discharge.run_state_p for e in jaxpr.jaxpr.eqns):
+            jaxpr = jax_core.ClosedJaxpr(_inline_run_state(jaxpr.jaxpr), jaxpr.consts)
+    elif any(e.primitive is state_discharge.run_state_p for e in jaxpr.eqns):
+        jaxpr = _inline_run_state(jaxpr)
+    return orig(self, jaxpr, token, *args)
+
+
+def _before(orig, patch):
+    """The interpreter method `orig` with `patch(orig, self, ...)` in front of it."""
+
+    def method(self, *args):
+        return patch(orig, self, *args)
+
+    return method
+
+
+def install() -> None:
+    """Patch the GPU interpreter class in this process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    cls = interp.JaxprInterpreter
+    for name, patch in (("interpret", _interpret), ("_interpret_wgmma_ref_p", _interpret_wgmma)):
+        setattr(cls, name, _before(getattr(cls, name), patch))
+    _installed = True
+    logging.info("Mosaic GPU interpreter patched for run_state accumulators and register-LHS wgmma")
