@@ -57,8 +57,9 @@ class MosaicMLAConfig:
     """Tiling of the kernel. `num_splits=0` picks the split count from the problem size (`wave_splits`).
 
     share_p: tiles alternate between the two compute warpgroups; the owner of a tile computes S = Q K^T and the
-    softmax once and passes P (bf16, SMEM) and the running max / sum to the other (`_compute_shared`). Off: both
-    warpgroups compute S for every tile (`_compute_duplicated`, FA3 ping-pong with `schedule_barrier`).
+    softmax once and passes P (bf16, SMEM) and the running max / sum to the other (`compute_shared` in `_kernel`).
+    Off (the default, faster on the H200: experiments/notes_mla.md): both warpgroups compute S for every tile
+    (`compute_duplicated`, FA3 ping-pong with `schedule_barrier`).
     """
 
     block_k: int = 64
@@ -299,6 +300,12 @@ def _kernel(
             plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
 
 
+def sm_count() -> int:
+    """Streaming multiprocessors of the default GPU (132 on an H200; also the count assumed off a GPU)."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 132) if device.platform == "gpu" else 132
+
+
 def wave_splits(ctas: int, n_tiles: int, sms: int = 132, overhead_tiles: int = 2) -> int:
     """KV splits minimising the modelled time waves * (tiles per split + overhead) with one CTA per SM: `ctas`
     CTAs per split run in ceil(ctas * s / sms) waves of ceil(n_tiles / s) + overhead_tiles tile-times each (the
@@ -312,9 +319,9 @@ def wave_splits(ctas: int, n_tiles: int, sms: int = 132, overhead_tiles: int = 2
 
 
 def default_config(batch: int, rows: int, max_len: int) -> MosaicMLAConfig:
-    """64-slot tiles in a 2-stage ring, P shared between the warpgroups; splits by `wave_splits`."""
+    """64-slot tiles in a 2-stage ring, S in both warpgroups; splits by `wave_splits` for this GPU's SM count."""
     config = MosaicMLAConfig()
-    splits = wave_splits(batch * pl.cdiv(rows, BLOCK_R), pl.cdiv(max_len, config.block_k))
+    splits = wave_splits(batch * pl.cdiv(rows, BLOCK_R), pl.cdiv(max_len, config.block_k), sm_count())
     return dataclasses.replace(config, num_splits=splits)
 
 
@@ -350,7 +357,7 @@ def mla_attention_mosaic_split(
         length = padded
     rows = n * heads
     rows_pad = pl.cdiv(rows, BLOCK_R) * BLOCK_R
-    num_splits = config.num_splits or wave_splits(b * rows_pad // BLOCK_R, pl.cdiv(length, block_k))
+    num_splits = config.num_splits or wave_splits(b * rows_pad // BLOCK_R, pl.cdiv(length, block_k), sm_count())
     qr = jnp.pad(q.reshape(b, rows, dk).astype(latent_cache.dtype), ((0, 0), (0, rows_pad - rows), (0, 0)))
     words = _tree_words(tree_mask, heads, rows_pad)  # [B, W, rows_pad]
     n_words = words.shape[1]
