@@ -51,9 +51,11 @@ class Generator:
         tokenizer=None,
         *,
         mesh: Mesh | str | None = None,
+        trained_context: int | None = None,
     ):
         """mesh: a `jax.sharding.Mesh` or spec like "expert=8,tensor=1" (sharding.py); None: all local devices
-        on `expert` when there are several, else the single-device program. Params are placed on it."""
+        on `expert` when there are several, else the single-device program. Params are placed on it.
+        trained_context: the window length the target was trained on, if known; longer requests are logged."""
         if drafter is not None:
             check_pair(target.config, drafter.config)
         self.mesh = sharding.resolve_mesh(mesh)
@@ -62,7 +64,7 @@ class Generator:
             if drafter is not None:
                 sharding.shard_model(drafter, self.mesh)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        self.trained_context: int | None = None  # window length the target was trained on, when its checkpoint says
+        self.trained_context = trained_context
         self._compiled: dict[tuple, tuple] = {}  # (spec, dispatch.state()) -> compiled program and states
         self.compile_seconds: dict[engine.GenSpec, float] = {}  # per program, however it was compiled
 
@@ -91,9 +93,7 @@ class Generator:
         target = load_target(target_dir, dtype=dtype, sharding_fn=place)
         drafter = load_drafter(drafter_dir, dtype=dtype) if drafter_dir is not None else None
         tok = load_tokenizer(target_dir) if has_tokenizer(target_dir) else None
-        gen = cls(target, drafter, tok, mesh=mesh)
-        gen.trained_context = trained_context(Path(target_dir))
-        return gen
+        return cls(target, drafter, tok, mesh=mesh, trained_context=trained_context(Path(target_dir)))
 
     def spec(
         self,

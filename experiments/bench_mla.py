@@ -167,14 +167,16 @@ KERNELS = ("triton", "mosaic", "mosaic_shared_p")
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
 
-def kernel(name: str, batch: int, rows: int, length: int, splits: int | MLAConfig | None = None) -> tuple[Kernel, str]:
+def kernel(
+    name: str, batch: int, rows: int, length: int, splits: int | MLAConfig | None = None, poison: bool = False
+) -> tuple[Kernel, str]:
     """The kernel `name` with its default tiling for this shape and a config label; `splits`: a Triton tiling, or a
-    Mosaic split count replacing the default one."""
+    Mosaic split count replacing the default one; `poison`: NaN-filled Triton partial outputs (a check)."""
     if name == "triton":
         cfg = splits or default_config(batch, rows, length)
         label = f"r{cfg.block_r}k{cfg.block_k}s{cfg.num_splits}w{cfg.num_warps}st{cfg.num_stages}"
         return lambda q, c, p, m: mla_attention_split(
-            q, c, p, m, SCALE, DV, config=cfg, interpret=FLAGS.interpret
+            q, c, p, m, SCALE, DV, config=cfg, poison=poison, interpret=FLAGS.interpret
         ), label
     cfg = mla_mosaic.default_config(batch, rows, length)
     if name == "mosaic_shared_p":
@@ -200,16 +202,8 @@ def check(rng: np.random.Generator) -> list[dict[str, Any]]:
         with jax.default_matmul_precision("highest"):
             ref = mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), prefix, mask, SCALE)
         for name in FLAGS.kernels:
-            if name == "triton":
-                cfg = default_config(batch, n * heads, cache.shape[1])
-                out = mla_attention_split(
-                    q, cache, prefix, mask, SCALE, DV, config=cfg, poison=True, interpret=FLAGS.interpret
-                )
-                label = str(cfg)
-            else:
-                fn, label = kernel(name, batch, n * heads, cache.shape[1])
-                out = fn(q, cache, prefix, mask)
-            err = rel_err(out, ref)
+            fn, label = kernel(name, batch, n * heads, cache.shape[1], poison=True)
+            err = rel_err(fn(q, cache, prefix, mask), ref)
             records.append(
                 {
                     "kernel": name,

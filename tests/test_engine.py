@@ -271,8 +271,9 @@ def test_nonfinite_logits_stop_the_row_and_name_the_round():
         prompts, plen = random_prompts(rng, 3, 5, 97)
         free, _ = run(target, None, engine.GenSpec("ar", 3, 5, 8), prompts, plen)
         bad = free[1][3]
-        # no other row ever feeds `bad` back; row 1 first does at round 4
-        seen = {t for b in range(3) for t in prompts[b, : plen[b]]} | set(free[0]) | set(free[2])
+        # no other row ever feeds `bad` back (padding slots are embedded too, and Generator pads with 0);
+        # row 1 first does at round 4
+        seen = set(prompts.ravel().tolist()) | {0} | set(free[0]) | set(free[2])
         if bad not in seen and bad not in free[1][:3]:
             break
     else:
