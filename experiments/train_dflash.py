@@ -27,7 +27,14 @@ flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target HF checkpoint (fr
 flags.DEFINE_string("data_dir", "experiments/data", "train_tokens.npy from `train_target --stage=data`.")
 flags.DEFINE_string("out_dir", "checkpoints/kimi-mini-dflash", "Drafter checkpoint directory.")
 flags.DEFINE_string("results_dir", "experiments/results", "Loss curve JSON.")
-flags.DEFINE_enum("preset", "mini", ["mini", "tiny"], "Drafter size.")
+# preset -> (layers, attention heads, KV heads, head dim, MLP width); the hidden size is the target's
+DRAFTER_PRESETS = {
+    "mini": (4, 4, 2, 64, 1024),
+    "wide6": (6, 8, 2, 64, 1536),
+    "deep8": (8, 4, 2, 64, 1024),
+    "tiny": (1, 2, 1, 16, 64),
+}
+flags.DEFINE_enum("preset", "mini", list(DRAFTER_PRESETS), "Drafter size (DRAFTER_PRESETS).")
 flags.DEFINE_integer("block_size", 8, "Block size B (anchor + B-1 masks).")
 flags.DEFINE_integer("steps", 4000, "Maximum optimizer steps.")
 flags.DEFINE_float("max_seconds", 170.0, "Wall-clock budget of the training loop (the schedule follows it).")
@@ -48,7 +55,7 @@ MASK = "[MASK]"
 def drafter_config(preset: str, target: KimiConfig, mask_id: int, block_size: int) -> DFlashConfig:
     """Qwen3-style drafter sized for the target; features from layers spread over its depth."""
     n = target.num_hidden_layers
-    layers, heads, kv_heads, head_dim, inter = {"mini": (4, 4, 2, 64, 1024), "tiny": (1, 2, 1, 16, 64)}[preset]
+    layers, heads, kv_heads, head_dim, inter = DRAFTER_PRESETS[preset]
     ids = tuple(sorted({1, n // 2, n - 1}))
     return DFlashConfig(
         hidden_size=target.hidden_size,
