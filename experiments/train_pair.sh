@@ -1,35 +1,55 @@
 #!/usr/bin/env bash
-# Train the pair (target, then drafter, then optionally the drafter's self-distillation) on a GPU, time-boxed.
-#   PY=python3 OUT=/some/dir bash experiments/train_pair.sh [extra flags for the target and drafter scripts]
-# Needs experiments/data from `python -m experiments.train_target --stage=data`. STAGES (default "target drafter";
-# also "selfdistill", flags in SELFDISTILL_FLAGS) picks the steps. Writes $OUT/target.tgz right after the target (so
-# a failed drafter run keeps it), $OUT/drafter.tgz and $OUT/drafter_sd.tgz (each under 16 MiB). Windows are 2048
-# tokens: the shipped pair, trained on 512-token windows, degrades past 512 tokens of context; the first 2048 run
-# (185 s, 19 epochs of the 3M-token corpus) memorised its training files (experiments/notes_round.md). On an H200 the defaults take about 7.5 min for
-# target + drafter (185 s of training each plus compilation and writing); self-distillation needs a second call.
+# Train the pair on a GPU: the recipe of the shipped checkpoints (experiments/results/PROVENANCE.md, 2026-12-04).
+#   PY=python3 OUT=/some/dir STAGES="target drafter selfdistill" bash experiments/train_pair.sh
+# Needs experiments/data from `python -m experiments.train_target --stage=data`. Stages, in order:
+#   target       train_target on 2048-token windows, 1500 steps (6 epochs of the 3M-token corpus; 19 epochs
+#                memorised it, experiments/notes_round.md)                              -> $WORK/kimi-mini
+#   drafter      train_dflash, wide6 drafter, data windows of 2048 tokens, distilling the target
+#   selfdistill  selfdistill_dflash on the target's own greedy continuations
+#   drafter2     train_dflash again from the self-distilled drafter (lower learning rate)
+#   selfdistill2 selfdistill_dflash again, longer                                        -> $WORK/kimi-mini-dflash
+# Each stage reads the previous stage's output under $WORK (unpack earlier tarballs there to resume) and packs its
+# own into $OUT/<stage>.tgz, split into 15 MiB parts (the device tool returns files up to 16 MiB). Step counts are
+# the ones the shipped run reached (two trainings shared the GPU, so it ran on wall-clock budgets); on a GPU of its
+# own the whole recipe takes about 12 minutes: two device calls.
 set -euo pipefail
 PY=${PY:-python3}
 WORK=${WORK:-/tmp/pair}
-TARGET_FLAGS=${TARGET_FLAGS:-"--batch=6 --seq_len=2048 --steps=100000 --max_seconds=185 --lr=3e-3"}
-DRAFTER_FLAGS=${DRAFTER_FLAGS:-"--batch=8 --seq_len=2048 --anchors=256 --steps=100000 --max_seconds=185 --distill=0.8"}
-SELFDISTILL_FLAGS=${SELFDISTILL_FLAGS:-}
-STAGES=${STAGES:-"target drafter"}
+STAGES=${STAGES:-"target drafter selfdistill drafter2 selfdistill2"}
+DATA="--batch=8 --seq_len=2048 --anchors=256 --distill=0.8 --max_seconds=100000"
+SD="--val_prompts=1024 --gen_batch=1024 --batch=64 --anchors=32 --distill=0.7 --lr=5e-4 --eval_every=500"
+SD="$SD --max_seconds=100000"
+pack() {  # pack STAGE DIR: $WORK/DIR -> $OUT/STAGE.tgz.00, .01, ...
+  tar czf "$WORK/$1.tgz" -C "$WORK" "$2" && split -b 15M -d "$WORK/$1.tgz" "$OUT/$1.tgz."
+}
+mkdir -p "$WORK/results"
 for stage in $STAGES; do
+  log="$OUT/$stage.log"
   case $stage in
     target)
-      rm -rf "$WORK" && mkdir -p "$WORK"
       $PY -m experiments.train_target --stage=train --out_dir="$WORK/kimi-mini" --results_dir="$WORK/results" \
-        $TARGET_FLAGS "$@" 2>&1 | tee "$OUT/train_target.log"
-      tar czf "$OUT/target.tgz" -C "$WORK" kimi-mini results ;;
+        --batch=6 --seq_len=2048 --steps=1500 --max_seconds=100000 --lr=3e-3 2>&1 | tee "$log"
+      pack target kimi-mini ;;
     drafter)
-      $PY -m experiments.train_dflash --target="$WORK/kimi-mini" --out_dir="$WORK/kimi-mini-dflash" \
-        --results_dir="$WORK/results" $DRAFTER_FLAGS "$@" 2>&1 | tee "$OUT/train_dflash.log"
-      tar czf "$OUT/drafter.tgz" -C "$WORK" kimi-mini-dflash results ;;
-    selfdistill)  # needs $WORK/kimi-mini and $WORK/kimi-mini-dflash (e.g. unpacked from the tarballs above)
-      $PY -m experiments.selfdistill_dflash --target="$WORK/kimi-mini" --drafter="$WORK/kimi-mini-dflash" \
-        --out_dir="$WORK/kimi-mini-dflash-sd" --results_dir="$WORK/results" $SELFDISTILL_FLAGS \
-        2>&1 | tee "$OUT/selfdistill.log"
-      tar czf "$OUT/drafter_sd.tgz" -C "$WORK" kimi-mini-dflash-sd results ;;
-    *) echo "error: unknown stage $stage (target, drafter, selfdistill)" >&2; exit 2 ;;
+      $PY -m experiments.train_dflash --target="$WORK/kimi-mini" --out_dir="$WORK/d1" --results_dir="$WORK/results" \
+        --preset=wide6 --steps=1159 $DATA 2>&1 | tee "$log"
+      pack drafter d1 ;;
+    selfdistill)
+      $PY -m experiments.selfdistill_dflash --target="$WORK/kimi-mini" --drafter="$WORK/d1" --out_dir="$WORK/d2" \
+        --results_dir="$WORK/results" --num_prompts=65536 --steps=2000 $SD 2>&1 | tee "$log"
+      mv "$WORK/results/train_dflash_selfdistill_loss.json" "$WORK/results/train_dflash_selfdistill_stage1_loss.json"
+      pack selfdistill d2 ;;
+    drafter2)
+      $PY -m experiments.train_dflash --target="$WORK/kimi-mini" --init="$WORK/d2" --out_dir="$WORK/d3" \
+        --results_dir="$WORK/results" --steps=1251 --lr=1e-3 --seed=7 $DATA 2>&1 | tee "$log"
+      mv "$WORK/results/train_dflash_loss.json" "$WORK/results/train_dflash_stage2_loss.json"
+      pack drafter2 d3 ;;
+    selfdistill2)  # fresh sequences (another seed); the shipped run's generation stopped at 120832 on a time cap
+      $PY -m experiments.selfdistill_dflash --target="$WORK/kimi-mini" --drafter="$WORK/d3" \
+        --out_dir="$WORK/kimi-mini-dflash" --results_dir="$WORK/results" --num_prompts=120832 --steps=3500 \
+        --seed=5 $SD 2>&1 | tee "$log"
+      pack selfdistill2 kimi-mini-dflash ;;
+    *) echo "error: unknown stage $stage (target, drafter, selfdistill, drafter2, selfdistill2)" >&2; exit 2 ;;
   esac
 done
+tar czf "$OUT/results.tgz" -C "$WORK" results

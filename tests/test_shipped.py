@@ -61,11 +61,11 @@ def test_greedy_ddtree_equals_ar_and_accepts(generator):
 
 
 def test_a_request_past_the_trained_window_is_logged(generator, monkeypatch):
-    """The target was trained on 512-token windows (its manifest says so); a longer request runs, and says so once.
+    """The target was trained on 2048-token windows (its manifest says so); a longer request runs, and says so once.
     The window is lowered for the test so that both requests share one small compiled program."""
     from absl import logging
 
-    assert generator.trained_context == 512
+    assert generator.trained_context == 2048
     warnings = []
     monkeypatch.setattr(logging, "log_first_n", lambda level, msg, n, *args: warnings.append(msg % args))
     monkeypatch.setattr(generator, "trained_context", 22)
