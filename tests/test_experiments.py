@@ -346,3 +346,51 @@ def test_bench_mla_interpret(tmp_path):
     assert all(c["ok"] and c["kernel"] == "triton" for c in payload["checks"]) and len(payload["checks"]) == 4
     (rec,) = records(tmp_path / "bench_mla.json")
     assert (rec["context"], rec["nodes"], rec["kernel"]) == (100, 3, "triton") and rec["kernel_us"] > 0
+
+
+FAKE_PY = """#!/usr/bin/env bash
+# stands in for python: records the call, creates --out_dir and the loss curve the module writes
+echo "$*" >> "$CALLS"
+for a in "$@"; do case $a in --out_dir=*) out=${a#--out_dir=};; --results_dir=*) res=${a#--results_dir=};; esac; done
+mkdir -p "$out" "$res" && echo weights > "$out/model.safetensors"
+case $2 in
+  experiments.train_target) echo "$2" > "$res/train_target_loss.json";;
+  experiments.train_dflash) echo "$2 $*" > "$res/train_dflash_loss.json";;
+  experiments.selfdistill_dflash) echo "$2 $*" > "$res/train_dflash_selfdistill_loss.json";;
+esac
+"""
+
+
+@pytest.mark.parametrize("calls", [["target drafter selfdistill drafter2 selfdistill2"],
+                                   ["target drafter selfdistill", "drafter2 selfdistill2"]])  # fmt: skip
+def test_train_pair_chains_the_stages_and_keeps_every_curve(tmp_path, calls):
+    """train_pair.sh, with python replaced by a recorder: each stage reads the one before, no loss curve overwrites
+    another, and one device call returns at most 8 files."""
+    import tarfile
+
+    fake = tmp_path / "py"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    work = tmp_path / "work"
+    env = {**os.environ, "PY": str(fake), "WORK": str(work), "CALLS": str(tmp_path / "calls")}
+    for i, stages in enumerate(calls):
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        step = {"OUT": str(out), "STAGES": stages}
+        if i:  # the second call continues from the first call's target and drafter
+            step |= {"TARGET": str(work / "kimi-mini"), "INIT": str(work / "d2")}
+        subprocess.run(["bash", "experiments/train_pair.sh"], env=env | step, check=True, capture_output=True)
+        assert len(list(out.iterdir())) <= 8
+    with tarfile.open(out / "results.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    curves = {"train_target_loss.json", "train_dflash_loss.json", "train_dflash_selfdistill_stage1_loss.json"}
+    curves |= {"train_dflash_stage2_loss.json", "train_dflash_selfdistill_loss.json"}
+    assert curves <= names
+    assert "--init=" not in (work / "results" / "train_dflash_loss.json").read_text()  # stage 1, not drafter2's
+    lines = (tmp_path / "calls").read_text().splitlines()
+    assert [line.split()[1] for line in lines] == [
+        "experiments.train_target", "experiments.train_dflash", "experiments.selfdistill_dflash",
+        "experiments.train_dflash", "experiments.selfdistill_dflash",
+    ]  # fmt: skip
+    assert f"--drafter={work}/d1" in lines[2] and f"--init={work}/d2" in lines[3] and f"--drafter={work}/d3" in lines[4]
+    assert all(f"--target={work}/kimi-mini" in line for line in lines[1:])
