@@ -19,7 +19,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import flags  # noqa: E402
 
-from ddtree_jax.api import trained_context  # noqa: E402
 from ddtree_jax.errors import run_app  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments.workload import SHIPPED_TARGET  # noqa: E402
@@ -53,9 +52,6 @@ PUBLISHED = [
     },
     {"system": "vLLM TP8, Kimi K2.5 INT4, no spec-dec", "hardware": "8x H100", "number": "~112 tok/s single stream"},
 ]
-
-
-TRAIN_SEQ_LEN = trained_context(SHIPPED_TARGET) or 0  # training window of the shipped target (its manifest)
 
 
 def load(d: Path, name: str) -> dict[str, Any] | None:
@@ -272,8 +268,8 @@ def bench_round_section(p: dict) -> list[str]:
     return out
 
 
-def losses_section(sweeps: list[dict], bench: dict | None) -> list[str]:
-    """Where DDTree loses, computed from the data, with the reason.
+def losses_section(sweeps: list[dict], bench: dict | None, window: int) -> list[str]:
+    """Where DDTree loses, computed from the data, with the reason (window: the shipped target's training length).
 
     speedup = tokens per round / (round time in AR steps), so a cell loses exactly when a round costs more AR
     steps than it commits tokens; `round_cost_in_ar_steps` = tokens_per_round / speedup shows which side moved.
@@ -336,7 +332,7 @@ def losses_section(sweeps: list[dict], bench: dict | None) -> list[str]:
     by_ctx = sorted((r for r in tree if r["axis"] == "context"), key=lambda r: r["context"])
     if by_ctx:
         out.append(
-            f"Context: the shipped pair was trained on {TRAIN_SEQ_LEN}-token windows (experiments/train_pair.sh). "
+            f"Context: the shipped pair was trained on {window}-token windows (experiments/train_pair.sh). "
             "DDTree tokens per round by context: "
             + ", ".join(f"{r['tokens_per_round']:.2f} at {r['context']}" for r in by_ctx)
             + ". Past its training window a target degrades and the drafter with it: the previous pair, trained on "
@@ -380,8 +376,9 @@ def losses_section(sweeps: list[dict], bench: dict | None) -> list[str]:
     return out
 
 
-def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
-    """Which sweep cells left AR's tokens, and the held-out acceptance runs (bf16 and float32) for comparison."""
+def correctness_section(sweeps: list[dict], d: Path, window: int) -> list[str]:
+    """Which sweep cells left AR's tokens, and the held-out acceptance runs (bf16 and float32) for comparison;
+    contexts past `window` (the shipped target's training length) get their own paragraph."""
     cells = [r for p in sweeps for r in p["records"] if r["method"] != "ar"]
     differ = [r for r in cells if not r["correct"]]
     out = [
@@ -415,7 +412,7 @@ def correctness_section(sweeps: list[dict], d: Path) -> list[str]:
                 f32_short["records"], ["method", "budget", "tokens_per_round", "correct", "rows_identical"]
             ),
         ]
-    long = [r for p in sweeps for r in p["records"] if r.get("axis") == "context" and r["context"] > TRAIN_SEQ_LEN]
+    long = [r for p in sweeps for r in p["records"] if r.get("axis") == "context" and r["context"] > window]
     runs = [load(d, name) for name in contexts]
     f32 = load(d, "sweep_context_float32")
     precision = f32 and f32["config"].get("matmul_precision")
@@ -514,8 +511,11 @@ def build(d: Path) -> Path:
         parts += breakdown_section(breakdown, d)
     if bench:
         parts += bench_round_section(bench)
-    parts += losses_section([p for p in sweeps.values() if p], bench)
-    parts += correctness_section([p for p in sweeps.values() if p], d)
+    from ddtree_jax.api import trained_context
+
+    window = trained_context(SHIPPED_TARGET) or 0  # the shipped target's training window (its manifest)
+    parts += losses_section([p for p in sweeps.values() if p], bench, window)
+    parts += correctness_section([p for p in sweeps.values() if p], d, window)
     parts += kernel_section(d)
     parts += [
         "## Published numbers (other systems, other hardware: context only, not comparable)",

@@ -27,7 +27,7 @@ SD="$SD --max_seconds=100000"
 pack() {  # pack STAGE DIR: $WORK/DIR -> $OUT/STAGE.tgz.00, .01, ...
   tar czf "$WORK/$1.tgz" -C "$WORK" "$2" && split -b 15M -d "$WORK/$1.tgz" "$OUT/$1.tgz."
 }
-mkdir -p "$WORK/results" "$WORK/results/logs"
+mkdir -p "$WORK/results/logs"
 for stage in $STAGES; do
   log="$WORK/results/logs/$stage.log"
   case $stage in
