@@ -10,7 +10,8 @@ jitted loop, so launch gaps between kernels count but host dispatch does not. Re
 every cell.
 
     python -m experiments.bench_mla --preset=targets --kernels=triton,mosaic
-    python -m experiments.bench_mla --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64,8 --sweep
+    python -m experiments.bench_mla --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64,8 --sweep=mixed
+    python -m experiments.bench_mla --preset=custom --contexts=60 --nodes=1 --batches=8 --sweep=decode
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
 
 from ddtree_jax.errors import UserError, run_app
 from experiments import common  # noqa: E402
-from experiments.mla_common import DK, DV, SCALE, cost, random_tree_mask, rel_err  # noqa: E402
+from experiments.mla_common import DK, DV, SCALE, copy_bandwidth, cost, matmul_rate, random_tree_mask, rel_err  # noqa: E402
 from pallas_kernels import mla_mosaic  # noqa: E402
 from pallas_kernels.mla_attention import MLAConfig, default_config, mla_attention_split  # noqa: E402
 from pallas_kernels.reference import mla_attention_reference  # noqa: E402
@@ -49,7 +51,9 @@ flags.DEFINE_list("nodes", ["1", "9", "17", "33", "65"], "new nodes N (custom)")
 flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes (custom)")
 flags.DEFINE_list("heads", ["64", "8"], "query heads (custom)")
 flags.DEFINE_list("kernels", ["triton", "mosaic"], "kernels to time: triton, mosaic, mosaic_shared_p")
-flags.DEFINE_bool("sweep", False, "also time a set of Triton tilings on the sweep cells")
+flags.DEFINE_enum(
+    "sweep", "none", ["none", "mixed", "decode"], "also time a set of Triton tilings: mixed cells, or decode cells"
+)
 flags.DEFINE_list("mosaic_splits", [], "also time the Mosaic kernel at each of these split counts on every cell")
 flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
 flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
@@ -74,6 +78,30 @@ SWEEP_CELLS = [
     (8192, 33, 8, 64),
     (8192, 17, 8, 8),
 ]
+
+# Decode tilings: (block_r, block_k, num_warps, num_stages) per head count, each at split counts aiming for one,
+# two and three programs per SM (one wave or more, whatever fits in SMEM).
+DECODE_SWEEP_CELLS = [(8192, 1, 32, 8), (32768, 1, 8, 8), (8192, 1, 32, 64), (32768, 1, 8, 64)]
+DECODE_TILINGS = {
+    8: [(16, 64, 4, 3), (16, 64, 8, 3), (16, 32, 4, 4), (16, 32, 4, 2), (16, 32, 4, 3), (16, 64, 4, 2)],
+    64: [(64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2)],
+}
+DECODE_PROGRAMS_PER_SM = (1, 2, 3)
+
+
+def decode_sweep() -> list[tuple[tuple[int, int, int, int], list[tuple[str, MLAConfig]]]]:
+    """(cell, Triton configs) for the decode tiling sweep: every tiling x programs per SM."""
+    work = []
+    for cell in DECODE_SWEEP_CELLS:
+        _, _, batch, heads = cell
+        configs = []
+        tilings = itertools.product(DECODE_TILINGS[heads], DECODE_PROGRAMS_PER_SM)
+        for (block_r, block_k, warps, stages), per_sm in tilings:
+            programs = batch * pl.cdiv(heads, block_r)
+            splits = max(1, round(per_sm * mla_mosaic.sm_count() / programs))
+            configs.append(("triton", MLAConfig(block_r, block_k, splits, warps, stages)))
+        work.append((cell, configs))
+    return work
 
 
 def cells() -> list[tuple[int, int, int, int]]:
@@ -123,44 +151,6 @@ def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> float:
     """Seconds per call of fn(*args), from a jitted loop of FLAGS.inner calls."""
     loop = looped(fn, FLAGS.inner)
     return common.time_fn(lambda: loop(*args), warmup=1, repeats=5) / FLAGS.inner
-
-
-def copy_bandwidth() -> dict[str, float]:
-    """Device copy bandwidth (bytes read + written per second): PyTorch copy_ if importable, and XLA x + 1."""
-    out = {}
-    n = FLAGS.ceiling_size**2 * 16
-    f = jax.jit(lambda a: a + 1)
-    x = jnp.ones((n,), jnp.bfloat16) * 3
-    out["xla_add_tbps"] = 2 * x.nbytes / common.time_fn(lambda: f(x)) / 1e12
-    x.delete()
-    try:
-        import torch
-    except ImportError:
-        return out
-    a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        b.copy_(a)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    out["torch_copy_tbps"] = 2 * a.numel() * 2 * 10 / (start.elapsed_time(end) * 1e-3) / 1e12
-    del a, b
-    torch.cuda.empty_cache()
-    return out
-
-
-def matmul_rate() -> float:
-    """bf16 square matmul rate (FLAGS.ceiling_size) through XLA, FLOP/s (random data)."""
-    n = FLAGS.ceiling_size
-    ka, kb = jax.random.split(jax.random.key(1))
-    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
-    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x, y: x @ y)
-    return 2 * n**3 / common.time_fn(lambda: f(a, b))
 
 
 KERNELS = ("triton", "mosaic", "mosaic_shared_p")
@@ -278,8 +268,8 @@ def main(argv: Sequence[str]) -> None:
         raise UserError(f"--kernels: unknown {unknown}; choose from {list(KERNELS)}")
     t0 = time.time()
     rng = np.random.default_rng(0)
-    bw = copy_bandwidth()
-    mm = matmul_rate()
+    bw = copy_bandwidth(FLAGS.ceiling_size)
+    mm = matmul_rate(FLAGS.ceiling_size)
     ceilings = {"bw": bw.get("torch_copy_tbps", bw["xla_add_tbps"]) * 1e12, "mm": mm}
     logging.info("ceilings: %s, matmul %.1f TFLOP/s", bw, mm / 1e12)
     checks = check(rng)
@@ -307,7 +297,8 @@ def main(argv: Sequence[str]) -> None:
         "inner": FLAGS.inner,
     }
     work = [(cell, [(name, None) for name in FLAGS.kernels]) for cell in cells()]
-    work += [(cell, [("triton", c) for c in SWEEP_CONFIGS]) for cell in SWEEP_CELLS] if FLAGS.sweep else []
+    work += [(cell, [("triton", c) for c in SWEEP_CONFIGS]) for cell in SWEEP_CELLS] if FLAGS.sweep == "mixed" else []
+    work += decode_sweep() if FLAGS.sweep == "decode" else []
     work += (
         [(cell, [("mosaic", int(s)) for s in FLAGS.mosaic_splits]) for cell in cells()] if FLAGS.mosaic_splits else []
     )
