@@ -5,8 +5,9 @@ kernel on the GPU (rel. err vs an f32 reference; the Triton kernel with poisoned
 reference and each --kernels entry over a matrix of (context, nodes, batch, heads) cells: `triton`
 (`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S computed by both compute warpgroups) and
 `mosaic_shared_p` (the same with P shared between them, `share_p=True`). Per cell: time, bytes, FLOPs and the
-roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. Each timing runs `--inner` calls inside one
-jitted loop, so launch gaps between kernels count but host dispatch does not. Results are rewritten after
+roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. Each timing runs `--inner` dependent calls
+inside one jitted function (unrolled by default, as the model's layers call it), so launch gaps between kernels count
+but host dispatch does not. Results are rewritten after
 every cell.
 
     python -m experiments.bench_mla --preset=targets --kernels=triton,mosaic
@@ -56,6 +57,12 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_list("mosaic_splits", [], "also time the Mosaic kernel at each of these split counts on every cell")
 flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
+flags.DEFINE_bool(
+    "unroll",
+    True,
+    "unroll the timed loop into straight-line calls, as the model calls its layers (off: an XLA while loop, whose "
+    "per-iteration cost then counts in every call)",
+)
 flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
 flags.DEFINE_integer("ceiling_size", 8192, "matmul size; the copy moves ceiling_size^2 * 16 bf16 values")
 flags.DEFINE_bool("interpret", False, "run the kernel in Pallas interpret mode (CPU smoke test)")
@@ -134,22 +141,23 @@ def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, head
     return q, cache, prefix, jnp.asarray(random_tree_mask(rng, batch, n))
 
 
-def looped(fn: Callable[..., jax.Array], inner: int) -> Callable[..., jax.Array]:
-    """jit of `inner` dependent calls of fn(q, ...); q[0,0,0,0] is rewritten each step: nothing is hoisted."""
+def looped(fn: Callable[..., jax.Array], inner: int, unroll: bool = True) -> Callable[..., jax.Array]:
+    """jit of `inner` dependent calls of fn(q, ...); q[0,0,0,0] is rewritten each step: nothing is hoisted.
+    unroll: straight-line calls (no while loop between them)."""
 
     def run(q, *rest):
         def body(_, q):
             o = fn(q, *rest)
             return q.at[0, 0, 0, 0].set(q[0, 0, 0, 0] + 0 * o[0, 0, 0, 0].astype(q.dtype))
 
-        return lax.fori_loop(0, inner, body, q)
+        return lax.fori_loop(0, inner, body, q, unroll=unroll)
 
     return jax.jit(run)
 
 
 def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> float:
     """Seconds per call of fn(*args), from a jitted loop of FLAGS.inner calls."""
-    loop = looped(fn, FLAGS.inner)
+    loop = looped(fn, FLAGS.inner, FLAGS.unroll)
     return common.time_fn(lambda: loop(*args), warmup=1, repeats=5) / FLAGS.inner
 
 
@@ -295,6 +303,7 @@ def main(argv: Sequence[str]) -> None:
         "ceilings": {**bw, "matmul_tflops": mm / 1e12, "roofline_bw_tbps": ceilings["bw"] / 1e12},
         "checks": checks,
         "inner": FLAGS.inner,
+        "unroll": FLAGS.unroll,
     }
     work = [(cell, [(name, None) for name in FLAGS.kernels]) for cell in cells()]
     work += [(cell, [("triton", c) for c in SWEEP_CONFIGS]) for cell in SWEEP_CELLS] if FLAGS.sweep == "mixed" else []

@@ -45,20 +45,23 @@ class MLAConfig:
 def default_config(batch: int, rows: int, max_len: int) -> MLAConfig:
     """Heuristic tiling for `rows = N * Hq` query rows per sequence and a cache of `max_len` slots.
 
-    From the H200 sweep in experiments/notes_mla.md: 64-row blocks with 8 warps and 2 stages of 64-slot tiles;
-    16-row blocks (decode with few heads) with 4 warps and 3 stages.
+    From the H200 sweeps in experiments/notes_mla.md: 64-row blocks with 8 warps and 2 stages of 64-slot tiles,
+    splits for about 264 programs; 16-row blocks (decode with few heads) with 4 warps and 3 stages of 32-slot tiles
+    (110 KiB of SMEM, so two programs share an SM), splits for at most 264 programs (one wave of two per SM).
     """
     if rows > 32:
         config = MLAConfig(block_r=64, block_k=64, num_warps=8, num_stages=2)
+        splits = _auto_splits(batch * pl.cdiv(rows, 64), max_len, 64)
     else:
-        config = MLAConfig(block_r=16, block_k=64, num_warps=4, num_stages=3)
-    splits = _auto_splits(batch * pl.cdiv(rows, config.block_r), max_len, config.block_k)
+        config = MLAConfig(block_r=16, block_k=32, num_warps=4, num_stages=3)
+        splits = _auto_splits(batch * pl.cdiv(rows, 16), max_len, 32, whole_wave=True)
     return dataclasses.replace(config, num_splits=splits)
 
 
-def _auto_splits(programs: int, max_len: int, block_k: int, target: int = 264) -> int:
-    """Enough KV splits for ~`target` programs (2 per SM on an H200), at least 4 tiles each."""
-    by_occupancy = pl.cdiv(target, programs)
+def _auto_splits(programs: int, max_len: int, block_k: int, target: int = 264, whole_wave: bool = False) -> int:
+    """Enough KV splits for ~`target` programs (2 per SM on an H200; at most `target` if whole_wave), at least 4
+    tiles each."""
+    by_occupancy = target // programs if whole_wave else pl.cdiv(target, programs)
     by_length = max(1, max_len // (4 * block_k))
     return max(1, min(by_occupancy, by_length))
 
