@@ -51,7 +51,7 @@ flags.DEFINE_list("contexts", ["60", "1024", "4096", "8192", "32768", "131072"],
 flags.DEFINE_list("nodes", ["1", "9", "17", "33", "65"], "new nodes N (custom)")
 flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes (custom)")
 flags.DEFINE_list("heads", ["64", "8"], "query heads (custom)")
-flags.DEFINE_list("kernels", ["triton", "mosaic"], "kernels to time: triton, mosaic, mosaic_shared_p")
+flags.DEFINE_list("kernels", ["triton", "mosaic"], "kernels to time: any of KERNELS")
 flags.DEFINE_enum(
     "sweep", "none", ["none", "mixed", "decode"], "also time a set of Triton tilings: mixed cells, or decode cells"
 )
@@ -161,7 +161,7 @@ def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> float:
     return common.time_fn(lambda: loop(*args), warmup=1, repeats=5) / FLAGS.inner
 
 
-KERNELS = ("triton", "mosaic", "mosaic_shared_p")
+KERNELS = ("triton", "mosaic", "mosaic_shared_p", "mosaic_k32", "mosaic_k32_shared_p")
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
 
@@ -177,7 +177,10 @@ def kernel(
             q, c, p, m, SCALE, DV, config=cfg, poison=poison, interpret=FLAGS.interpret
         ), label
     cfg = mla_mosaic.default_config(batch, rows, length)
-    if name == "mosaic_shared_p":
+    if "_k32" in name:  # 32-slot tiles in a 4-deep ring, splits re-chosen for the doubled tile count
+        ctas, tiles = batch * pl.cdiv(rows, 64), pl.cdiv(length, 32)
+        cfg = mla_mosaic.MosaicMLAConfig(32, 4, mla_mosaic.wave_splits(ctas, tiles, mla_mosaic.sm_count(), 4))
+    if name.endswith("shared_p"):
         cfg = dataclasses.replace(cfg, share_p=True)
     if isinstance(splits, int):
         cfg = dataclasses.replace(cfg, num_splits=splits)

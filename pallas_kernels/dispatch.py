@@ -8,8 +8,9 @@ CPU). Every choice is logged once per (op, implementation).
 MLA attention has two Pallas kernels: the Pallas-Triton one (`mla_attention.py`, any head dim) and the Mosaic GPU
 one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim). `set_mla_backend` / DDTREE_MLA_KERNEL picks:
 "triton", "mosaic", or "auto" (default): Mosaic on a Hopper GPU for calls with at least MOSAIC_MIN_ROWS query rows
-(nodes x heads: tree verify with many heads, where bench_mla measured it 1.2-1.7x faster than Triton), Triton for
-the rest (decode, few heads). A shape the Mosaic kernel does not take runs on Triton. Every choice is logged once.
+(nodes x heads > 32, where the Triton kernel would use 64-row blocks too: bench_mla measured Mosaic 1.2-1.7x faster
+there, decode with 64 heads included), Triton for the rest (decode with few heads: its 16-row blocks waste less).
+A shape the Mosaic kernel does not take runs on Triton. Every choice is logged once.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pallas_kernels import reference
 _MODES = ("auto", "reference", "pallas", "interpret")
 _OPS = ("moe_swiglu", "mla_attention", "build_tree")
 _MLA_BACKENDS = ("auto", "triton", "mosaic")
-MOSAIC_MIN_ROWS = 512
+MOSAIC_MIN_ROWS = 33
 _mode = "auto"
 _op_modes: dict[str, str] = {}  # per-op overrides of _mode (`use_kernels(mode, op=...)`)
 _mla_backend = "auto"

@@ -69,8 +69,14 @@ class MosaicMLAConfig:
     share_p: bool = False
 
     def __post_init__(self):
-        if self.block_k % 64 or self.num_stages < 1:  # P V needs K % 64 == 0 with 128-byte swizzled bf16 tiles
-            raise ValueError(f"block_k must be a multiple of 64 and num_stages >= 1: {self}")
+        if self.block_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
+            raise ValueError(f"block_k must be a multiple of 32 and num_stages >= 1: {self}")
+
+    @property
+    def swizzle(self) -> int:
+        """Bytes of the SMEM swizzle of Q, the KV ring and P: 128, or 64 for 32-slot tiles (P V's K dim is one
+        swizzle tile wide at most)."""
+        return 64 if self.block_k % 64 else 128
 
 
 def smem_bytes(config: MosaicMLAConfig, dk: int = 576, value_dim: int = 512, n_words: int = 1) -> int:
@@ -364,7 +370,7 @@ def mla_attention_mosaic_split(
     if (need := smem_bytes(config, dk, value_dim, n_words)) > SMEM_LIMIT:
         raise ValueError(f"{config} needs {need} B of shared memory (> {SMEM_LIMIT})")
 
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    swizzled = (plgpu.TilingTransform((8, config.swizzle // 2)), plgpu.SwizzleTransform(config.swizzle))
     kernel = plgpu.kernel(
         functools.partial(
             _kernel, scale=float(scale), n_nodes=n, value_dim=value_dim, config=config, num_splits=num_splits

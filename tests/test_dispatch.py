@@ -25,12 +25,13 @@ def shapes(dk: int, dtype=jnp.bfloat16, nodes: int = 3, heads: int = 8):
 
 
 def test_auto_backend_takes_mosaic_for_many_rows_on_hopper_only(monkeypatch):
-    many = shapes(576, nodes=17, heads=64)  # 1088 rows
-    few = shapes(576, nodes=33, heads=8)  # 264 rows
+    """More than 32 rows (nodes x heads) go to Mosaic on Hopper; 32 or fewer (Triton's 16-row blocks) to Triton."""
     for hopper, want_many in ((True, mla_attention_mosaic), (False, mla_attention_pallas)):
         monkeypatch.setattr(dispatch, "_is_hopper", lambda h=hopper: h)
-        assert dispatch.mla_kernel_for(*many, 512) is want_many
-        assert dispatch.mla_kernel_for(*few, 512) is mla_attention_pallas
+        for nodes, heads in ((17, 64), (33, 8), (1, 64), (9, 4)):  # 1088, 264, 64, 36 rows
+            assert dispatch.mla_kernel_for(*shapes(576, nodes=nodes, heads=heads), 512) is want_many
+        for nodes, heads in ((1, 8), (1, 32), (8, 4)):  # 8, 32, 32 rows
+            assert dispatch.mla_kernel_for(*shapes(576, nodes=nodes, heads=heads), 512) is mla_attention_pallas
         assert dispatch.mla_kernel_for(*shapes(576, jnp.float32, 17, 64), 512) is mla_attention_pallas
     assert not dispatch._is_hopper()  # this CPU
 

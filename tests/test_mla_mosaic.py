@@ -127,6 +127,17 @@ def test_schedule_barrier_on_and_off(share_p: bool):
         assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
 
 
+@pytest.mark.parametrize("share_p", [False, True])
+def test_32_slot_tiles(share_p: bool):
+    """32-slot KV tiles (64-byte swizzle) in a 4-deep ring: ragged prefixes, a random tree, odd tile counts."""
+    rng = np.random.default_rng(13)
+    q, cache, prefix = inputs(rng, 3, 9, 8, 333, [0, 47, 324])
+    mask = jnp.asarray(random_parent_mask(rng, 3, 9))
+    config = MosaicMLAConfig(block_k=32, num_stages=4, num_splits=3, share_p=share_p)
+    assert config.swizzle == 64 and smem_bytes(config, DK, DV) <= SMEM_LIMIT
+    assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
+
+
 def _makespan(ctas: int, n_tiles: int, splits: int, sms: int, overhead: int) -> int:
     """List-schedule ctas * splits equal CTAs (ceil(n_tiles / splits) + overhead each) on `sms` SMs."""
     free = [0] * sms
