@@ -484,6 +484,8 @@ def kernel_section(d: Path) -> list[str]:
         "bench_topk",
         "ab_topk",
         "ab_flags_mla_kernel",
+        "ab_flags_mla_auto",
+        "bench_mla_stream",
     ):
         md = d / f"{name}.md"
         if md.is_file():
