@@ -6,9 +6,10 @@ reference and each --kernels entry over a matrix of (context, nodes, batch, head
 (`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S computed by both compute warpgroups) and
 `mosaic_shared_p` (the same with P shared between them, `share_p=True`). Per cell: time, bytes, FLOPs and the
 roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. Each timing runs `--inner` dependent calls
-inside one jitted function (unrolled by default, as the model's layers call it), so launch gaps between kernels count
-but host dispatch does not. Results are rewritten after
-every cell.
+inside one jitted function, so launch gaps between kernels count but host dispatch does not; `--loop` chains them
+straight-line (default), in an XLA while loop, or in a while loop that carries the cache as the engine does (the
+last two cost some kernels a per-call amount that grows with the cache: experiments/notes_mla.md). Results are
+rewritten after every cell.
 
     python -m experiments.bench_mla --preset=targets --kernels=triton,mosaic
     python -m experiments.bench_mla --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64,8 --sweep=mixed
@@ -30,12 +31,21 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
-from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
 from ddtree_jax.errors import UserError, run_app
 from experiments import common  # noqa: E402
-from experiments.mla_common import DK, DV, SCALE, copy_bandwidth, cost, matmul_rate, random_tree_mask, rel_err  # noqa: E402
+from experiments.mla_common import (  # noqa: E402
+    DK,
+    DV,
+    SCALE,
+    copy_bandwidth,
+    cost,
+    looped,
+    matmul_rate,
+    random_tree_mask,
+    rel_err,
+)
 from pallas_kernels import mla_mosaic  # noqa: E402
 from pallas_kernels.mla_attention import MLAConfig, default_config, mla_attention_split  # noqa: E402
 from pallas_kernels.reference import mla_attention_reference  # noqa: E402
@@ -57,11 +67,13 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_list("mosaic_splits", [], "also time the Mosaic kernel at each of these split counts on every cell")
 flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
-flags.DEFINE_bool(
-    "unroll",
-    True,
-    "unroll the timed loop into straight-line calls, as the model calls its layers (off: an XLA while loop, whose "
-    "per-iteration cost then counts in every call)",
+flags.DEFINE_enum(
+    "loop",
+    "unrolled",
+    ["unrolled", "while", "carry"],
+    "how the --inner timed calls are chained: unrolled (straight-line, as the model calls its layers), while (an XLA "
+    "while loop over a loop-invariant cache) or carry (a while loop whose carry holds the cache, one slot rewritten "
+    "per call, as the engine's generation loop holds it)",
 )
 flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
 flags.DEFINE_integer("ceiling_size", 8192, "matmul size; the copy moves ceiling_size^2 * 16 bf16 values")
@@ -141,23 +153,9 @@ def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, head
     return q, cache, prefix, jnp.asarray(random_tree_mask(rng, batch, n))
 
 
-def looped(fn: Callable[..., jax.Array], inner: int, unroll: bool = True) -> Callable[..., jax.Array]:
-    """jit of `inner` dependent calls of fn(q, ...); q[0,0,0,0] is rewritten each step: nothing is hoisted.
-    unroll: straight-line calls (no while loop between them)."""
-
-    def run(q, *rest):
-        def body(_, q):
-            o = fn(q, *rest)
-            return q.at[0, 0, 0, 0].set(q[0, 0, 0, 0] + 0 * o[0, 0, 0, 0].astype(q.dtype))
-
-        return lax.fori_loop(0, inner, body, q, unroll=unroll)
-
-    return jax.jit(run)
-
-
 def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> float:
     """Seconds per call of fn(*args), from a jitted loop of FLAGS.inner calls."""
-    loop = looped(fn, FLAGS.inner, FLAGS.unroll)
+    loop = looped(fn, FLAGS.inner, FLAGS.loop)
     return common.time_fn(lambda: loop(*args), warmup=1, repeats=5) / FLAGS.inner
 
 
@@ -306,7 +304,7 @@ def main(argv: Sequence[str]) -> None:
         "ceilings": {**bw, "matmul_tflops": mm / 1e12, "roofline_bw_tbps": ceilings["bw"] / 1e12},
         "checks": checks,
         "inner": FLAGS.inner,
-        "unroll": FLAGS.unroll,
+        "loop": FLAGS.loop,
     }
     work = [(cell, [(name, None) for name in FLAGS.kernels]) for cell in cells()]
     work += [(cell, [("triton", c) for c in SWEEP_CONFIGS]) for cell in SWEEP_CELLS] if FLAGS.sweep == "mixed" else []

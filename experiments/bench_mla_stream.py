@@ -25,12 +25,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from ddtree_jax.errors import run_app  # noqa: E402
+from ddtree_jax.errors import UserError, run_app  # noqa: E402
 from experiments import common  # noqa: E402
-from experiments.mla_common import DK, copy_bandwidth  # noqa: E402
+from experiments.mla_common import DK, copy_bandwidth, stream, whole_wave_splits  # noqa: E402
 from pallas_kernels.mla_mosaic import SMEM_LIMIT, sm_count  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -45,71 +43,6 @@ flags.DEFINE_string("out_dir", None, "results directory (default experiments/res
 flags.DEFINE_string("name", "bench_mla_stream", "results file stem")
 
 
-def _stream_kernel(token_ref, kv_ref, o_ref, kv_smem, kv_bars, free_bars, *, block_k: int, stages: int, tiles: int):
-    """CTA (split, batch) streams tiles [split * tiles, (split + 1) * tiles) of kv_ref `[B, L, dk]` through the
-    ring kv_smem `[stages, block_k, dk]`; o_ref `[B, splits]` f32 gets one value per CTA."""
-    wg = lax.axis_index("wg")
-    b = lax.axis_index("batch")
-    split = lax.axis_index("split")
-    t_lo = split * tiles
-
-    @pl.when(wg == 0)
-    def _consume():
-        @pl.loop(0, tiles)
-        def _(step):
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(kv_bars.at[slot])
-            plgpu.barrier_arrive(free_bars.at[slot])
-
-    @pl.when(wg == 1)
-    def _memory():
-        @pl.loop(0, tiles)
-        def _(step):
-            slot = lax.rem(step, stages)
-
-            @pl.when(step >= stages)
-            def _():
-                plgpu.barrier_wait(free_bars.at[slot])
-
-            t = t_lo + step
-            plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(t * block_k, block_k)], kv_smem.at[slot], kv_bars.at[slot])
-
-        @pl.loop(jnp.maximum(tiles - stages, 0), tiles)
-        def _(step):
-            plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
-
-    del token_ref, o_ref  # token: a loop-carried input, so a timing loop cannot hoist the call; o_ref: unwritten
-
-
-@functools.partial(jax.jit, static_argnames=("block_k", "stages", "splits"))
-def stream(token: jax.Array, cache: jax.Array, *, block_k: int, stages: int, splits: int) -> jax.Array:
-    """Stream `cache` `[B, L, dk]` (L divisible by splits * block_k) once through the ring; token `[1]` f32 is
-    unused; -> `[B, splits]` (unwritten)."""
-    b, length, dk = cache.shape
-    tiles = length // (splits * block_k)
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    kernel = plgpu.kernel(
-        functools.partial(_stream_kernel, block_k=block_k, stages=stages, tiles=tiles),
-        out_type=jax.ShapeDtypeStruct((b, splits), jnp.float32),
-        scratch_types=[
-            plgpu.SMEM((stages, block_k, dk), cache.dtype, transforms=swizzled),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-        ],
-        grid=(splits, b),
-        grid_names=("split", "batch"),
-        num_threads=2,
-        thread_name="wg",
-    )
-    return kernel(token, cache)
-
-
-def whole_wave_splits(batch: int, n_tiles: int, slots: int) -> int:
-    """The largest split count s dividing n_tiles with batch * s <= slots (CTAs in one wave), at least 1."""
-    fits = [s for s in range(1, n_tiles + 1) if n_tiles % s == 0 and batch * s <= slots]
-    return max(fits, default=1)
-
-
 def time_stream(cache: jax.Array, block_k: int, stages: int, splits: int, unroll: bool) -> float:
     """Seconds per `stream` call, from a jitted loop of FLAGS.inner calls chained through the token."""
     fn = functools.partial(stream, block_k=block_k, stages=stages, splits=splits)
@@ -121,8 +54,20 @@ def time_stream(cache: jax.Array, block_k: int, stages: int, splits: int, unroll
     return common.time_fn(lambda: loop(cache), warmup=1, repeats=5) / FLAGS.inner
 
 
+def parse_rings(raw: Sequence[str]) -> list[tuple[int, int]]:
+    """ "BLOCKxSTAGES" entries -> (block_k, stages), block_k a multiple of 8, stages >= 1."""
+    rings = []
+    for ring in raw:
+        parts = ring.split("x")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) % 8 or int(parts[1]) < 1:
+            raise UserError(f"--rings: {ring!r} is not BLOCKxSTAGES (block_k a multiple of 8, stages >= 1)")
+        rings.append((int(parts[0]), int(parts[1])))
+    return rings
+
+
 def main(argv: Sequence[str]) -> None:
     del argv
+    rings = parse_rings(FLAGS.rings)
     t0 = time.time()
     bw = copy_bandwidth(FLAGS.ceiling_size)
     copy_tbps = bw.get("torch_copy_tbps", bw["xla_add_tbps"])
@@ -132,8 +77,7 @@ def main(argv: Sequence[str]) -> None:
     for context, batch in itertools.product(map(int, FLAGS.contexts), map(int, FLAGS.batches)):
         cache = jax.random.normal(jax.random.key(context + batch), (batch, context, DK), jnp.bfloat16)
         unrolls = [u.lower() == "true" for u in FLAGS.unroll]
-        for ring, per_sm, unroll in itertools.product(FLAGS.rings, map(int, FLAGS.ctas_per_sm), unrolls):
-            block_k, stages = map(int, ring.split("x"))
+        for (block_k, stages), per_sm, unroll in itertools.product(rings, map(int, FLAGS.ctas_per_sm), unrolls):
             smem = stages * block_k * DK * 2
             if smem * per_sm > SMEM_LIMIT:
                 continue
@@ -141,7 +85,7 @@ def main(argv: Sequence[str]) -> None:
             try:
                 t = time_stream(cache, block_k, stages, splits, unroll)
             except Exception as e:  # noqa: BLE001 - one failing ring must not end the run
-                logging.warning("ring %s at %s x %s failed: %s", ring, context, batch, str(e)[:300])
+                logging.warning("ring %dx%d at %s x %s failed: %s", block_k, stages, context, batch, str(e)[:300])
                 continue
             tbps = cache.nbytes / t / 1e12
             records.append(

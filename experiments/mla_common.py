@@ -1,10 +1,17 @@
-"""Shapes, inputs and accounting shared by the MLA kernel benchmarks (`bench_mla`, `check_mla_mosaic`)."""
+"""Shared by the MLA kernel benchmarks (`bench_mla`, `bench_mla_stream`, `check_mla_mosaic`): shapes, inputs,
+accounting, ceilings, the timed-loop builder and the cache-streaming kernel. No flags, so tests can import it."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from experiments import common
 
@@ -71,3 +78,89 @@ def matmul_rate(n: int) -> float:
     b = jax.random.normal(kb, (n, n), jnp.bfloat16)
     f = jax.jit(lambda x, y: x @ y)
     return 2 * n**3 / common.time_fn(lambda: f(a, b))
+
+
+def looped(fn: Callable[..., jax.Array], inner: int, loop: str = "unrolled") -> Callable[..., jax.Array]:
+    """jit of `inner` dependent calls of fn(q, cache, prefix, mask); q[0,0,0,0] is rewritten each step, so nothing
+    is hoisted. loop: "unrolled" (no while loop), "while" (the cache is loop-invariant) or "carry" (the cache is
+    part of the loop carry and its slot prefix[0] of row 0 is rewritten each step)."""
+
+    def run(q, cache, prefix, mask):
+        def body(_, carry):
+            q, cache = carry
+            o = fn(q, cache, prefix, mask)
+            q = q.at[0, 0, 0, 0].set(q[0, 0, 0, 0] + 0 * o[0, 0, 0, 0].astype(q.dtype))
+            if loop == "carry":
+                cache = cache.at[0, prefix[0], 0].set(o[0, 0, 0, 1].astype(cache.dtype))
+            return q, cache
+
+        if loop == "carry":
+            return lax.fori_loop(0, inner, body, (q, cache))[0]
+        return lax.fori_loop(0, inner, lambda i, q: body(i, (q, cache))[0], q, unroll=loop == "unrolled")
+
+    return jax.jit(run)
+
+
+def _stream_kernel(token_ref, kv_ref, o_ref, kv_smem, kv_bars, free_bars, *, block_k: int, stages: int, tiles: int):
+    """CTA (split, batch) streams tiles [split * tiles, (split + 1) * tiles) of kv_ref `[B, L, dk]` through the
+    ring kv_smem `[stages, block_k, dk]`; o_ref `[B, splits]` f32 gets one value per CTA."""
+    wg = lax.axis_index("wg")
+    b = lax.axis_index("batch")
+    split = lax.axis_index("split")
+    t_lo = split * tiles
+
+    @pl.when(wg == 0)
+    def _consume():
+        @pl.loop(0, tiles)
+        def _(step):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(kv_bars.at[slot])
+            plgpu.barrier_arrive(free_bars.at[slot])
+
+    @pl.when(wg == 1)
+    def _memory():
+        @pl.loop(0, tiles)
+        def _(step):
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(free_bars.at[slot])
+
+            t = t_lo + step
+            plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(t * block_k, block_k)], kv_smem.at[slot], kv_bars.at[slot])
+
+        @pl.loop(jnp.maximum(tiles - stages, 0), tiles)
+        def _(step):
+            plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
+
+    del token_ref, o_ref  # token: a loop-carried input, so a timing loop cannot hoist the call; o_ref: unwritten
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "stages", "splits"))
+def stream(token: jax.Array, cache: jax.Array, *, block_k: int, stages: int, splits: int) -> jax.Array:
+    """Stream `cache` `[B, L, dk]` (L divisible by splits * block_k) once through the ring; token `[1]` f32 is
+    unused; -> `[B, splits]` (unwritten)."""
+    b, length, dk = cache.shape
+    tiles = length // (splits * block_k)
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = plgpu.kernel(
+        functools.partial(_stream_kernel, block_k=block_k, stages=stages, tiles=tiles),
+        out_type=jax.ShapeDtypeStruct((b, splits), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((stages, block_k, dk), cache.dtype, transforms=swizzled),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+        ],
+        grid=(splits, b),
+        grid_names=("split", "batch"),
+        num_threads=2,
+        thread_name="wg",
+    )
+    return kernel(token, cache)
+
+
+def whole_wave_splits(batch: int, n_tiles: int, slots: int) -> int:
+    """The largest split count s dividing n_tiles with batch * s <= slots (CTAs in one wave), at least 1."""
+    fits = [s for s in range(1, n_tiles + 1) if n_tiles % s == 0 and batch * s <= slots]
+    return max(fits, default=1)

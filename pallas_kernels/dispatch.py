@@ -8,11 +8,12 @@ CPU). Every choice is logged once per (op, implementation).
 MLA attention has two Pallas kernels: the Pallas-Triton one (`mla_attention.py`, any head dim) and the Mosaic GPU
 one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim). `set_mla_backend` / DDTREE_MLA_KERNEL picks:
 "triton", "mosaic", or "auto" (default): Mosaic on a Hopper GPU for calls with at least MOSAIC_MIN_ROWS query rows
-(nodes x heads > 32, where the Triton kernel uses 64-row blocks too) and at least MOSAIC_MIN_HEADS heads; Triton for
-the rest. Measured (experiments/notes_mla.md): with 8 and 64 heads Mosaic was 1.2-2.1x faster than Triton on every
-such bench_mla cell, 64-head decode included; decode with 8 heads (8 rows) is Triton's (its 16-row blocks waste
-less); with the shipped pair's 4 heads the whole engine ran 2.2-2.5 % faster on Triton (`ab_flags_mla_auto`).
-A shape the Mosaic kernel does not take runs on Triton. Every choice is logged once.
+(nodes x heads: tree verify with many heads, where bench_mla measured it 1.2-1.7x faster than Triton), Triton for
+the rest (decode, few heads). The rule follows timings of calls inside an XLA while loop, as the engine makes them:
+unrolled, Mosaic also wins 64-head decode and most 8-head verify cells, but inside a loop it loses there (a cost
+that grows with the cache; experiments/notes_mla.md), and with the shipped pair's shapes the engine ran 2.2-2.5 %
+slower with Mosaic on every call of more than 32 rows (`ab_flags_mla_auto`). A shape the Mosaic kernel does not
+take runs on Triton. Every choice is logged once.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ from pallas_kernels import reference
 _MODES = ("auto", "reference", "pallas", "interpret")
 _OPS = ("moe_swiglu", "mla_attention", "build_tree")
 _MLA_BACKENDS = ("auto", "triton", "mosaic")
-MOSAIC_MIN_ROWS = 33
-MOSAIC_MIN_HEADS = 8
+MOSAIC_MIN_ROWS = 512
 _mode = "auto"
 _op_modes: dict[str, str] = {}  # per-op overrides of _mode (`use_kernels(mode, op=...)`)
 _mla_backend = "auto"
@@ -164,7 +164,7 @@ def _is_hopper() -> bool:
 def mla_kernel_for(q: jax.Array, latent_cache: jax.Array, value_dim: int):
     """The Pallas MLA kernel for these shapes under the selected backend (q `[B, N, Hq, Dk]`, cache `[B, L, Dk]`)."""
     _, n, heads, dk = q.shape
-    if _mla_backend == "auto" and not (n * heads >= MOSAIC_MIN_ROWS and heads >= MOSAIC_MIN_HEADS and _is_hopper()):
+    if _mla_backend == "auto" and not (n * heads >= MOSAIC_MIN_ROWS and _is_hopper()):
         _log_once(
             ("mla_attention", f"auto-triton-{n}x{heads}"), "mla_attention: Triton kernel for %d x %d rows", n, heads
         )

@@ -317,6 +317,7 @@ def test_ab_flags(tiny_pair, tmp_path):
         ("ab_flags", "--cycles=two", "--cycles"),  # a flag absl cannot parse
         ("sweep", "--repeats=", "--repeats"),
         ("bench_mla", "--kernels=mosaic_dup", "unknown"),
+        ("bench_mla_stream", "--rings=64x", "--rings"),
     ],
 )
 def test_experiment_bad_input_is_one_line_and_exit_2(module, arg, says):
@@ -394,3 +395,37 @@ def test_train_pair_chains_the_stages_and_keeps_every_curve(tmp_path, calls):
     ]  # fmt: skip
     assert f"--drafter={work}/d1" in lines[2] and f"--init={work}/d2" in lines[3] and f"--drafter={work}/d3" in lines[4]
     assert all(f"--target={work}/kimi-mini" in line for line in lines[1:])
+
+
+def test_bench_mla_loop_modes():
+    """bench_mla's timed programs: `inner` straight-line calls; one while loop with the cache loop-invariant; or one
+    with the cache in the carry and rewritten once per call (as the engine holds it)."""
+    import jax.numpy as jnp
+
+    from experiments.mla_common import looped
+
+    q, cache = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 16, 8))
+    prefix, mask = jnp.array([5, 7], jnp.int32), jnp.ones((2, 1, 1), bool)
+    fn = lambda q_, c_, p_, m_: jnp.einsum("bnhd,bld->bnhl", q_, jnp.sin(c_))  # noqa: E731
+    text = {k: looped(fn, 3, k).lower(q, cache, prefix, mask).as_text() for k in ("unrolled", "while", "carry")}
+    assert [text[k].count("stablehlo.sine") for k in text] == [3, 1, 1]
+    assert [text[k].count("stablehlo.while") for k in text] == [0, 1, 1]
+    assert text["carry"].count("stablehlo.scatter") == 2 * text["while"].count("stablehlo.scatter")  # + cache write
+    for loop in text:
+        assert looped(fn, 3, loop)(q, cache, prefix, mask).shape == q.shape
+
+
+def test_bench_mla_stream_lowers_and_splits_whole_waves():
+    """The streaming kernel lowers for a Hopper GPU; split counts divide the tiles and fill at most one wave."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.mla_common import stream, whole_wave_splits
+
+    args = (jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((4, 2048, 576), jnp.bfloat16))
+    fn = functools.partial(stream, block_k=64, stages=2, splits=4)
+    assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    cases = {(8, 128, 132): 16, (32, 128, 132): 4, (8, 512, 264): 32, (200, 64, 132): 1, (3, 7, 132): 7, (5, 6, 20): 3}
+    assert {case: whole_wave_splits(*case) for case in cases} == cases
