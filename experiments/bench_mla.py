@@ -3,8 +3,9 @@
 Measures in the same run the device copy bandwidth and the bf16 matmul rate (the two ceilings), checks each
 kernel on the GPU (rel. err vs an f32 reference; the Triton kernel with poisoned partial outputs), then times the
 reference and each --kernels entry over a matrix of (context, nodes, batch, heads) cells: `triton`
-(`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S computed by both compute warpgroups) and
-`mosaic_shared_p` (the same with P shared between them, `share_p=True`). Per cell: time, bytes, FLOPs and the
+(`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S computed by both compute warpgroups),
+`mosaic_shared_p` (the same with P shared between them, `share_p=True`), and `mosaic_k32` / `mosaic_k32_shared_p`
+(32-slot KV tiles in a 4-deep ring). Per cell: time, bytes, FLOPs and the
 roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. Each timing runs `--inner` dependent calls
 inside one jitted function, so launch gaps between kernels count but host dispatch does not; `--loop` chains them
 straight-line (default), in an XLA while loop, or in a while loop that carries the cache as the engine does (the
