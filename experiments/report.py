@@ -486,6 +486,7 @@ def kernel_section(d: Path) -> list[str]:
         "ab_flags_mla_kernel",
         "ab_flags_mla_auto",
         "bench_mla_stream",
+        "bench_mla_carry",
     ):
         md = d / f"{name}.md"
         if md.is_file():
