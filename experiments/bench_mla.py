@@ -175,10 +175,8 @@ def kernel(
         return lambda q, c, p, m: mla_attention_split(
             q, c, p, m, SCALE, DV, config=cfg, poison=poison, interpret=FLAGS.interpret
         ), label
-    cfg = mla_mosaic.default_config(batch, rows, length)
-    if "_k32" in name:  # 32-slot tiles in a 4-deep ring, splits re-chosen for the doubled tile count
-        ctas, tiles = batch * pl.cdiv(rows, 64), pl.cdiv(length, 32)
-        cfg = mla_mosaic.MosaicMLAConfig(32, 4, mla_mosaic.wave_splits(ctas, tiles, mla_mosaic.sm_count(), 4))
+    tiling = mla_mosaic.MosaicMLAConfig(block_k=32, num_stages=4) if "_k32" in name else None  # a 4-deep ring
+    cfg = mla_mosaic.default_config(batch, rows, length, tiling)
     if name.endswith("shared_p"):
         cfg = dataclasses.replace(cfg, share_p=True)
     if isinstance(splits, int):

@@ -37,21 +37,24 @@ flags.DEFINE_list("batches", ["8", "32"], "batch sizes")
 flags.DEFINE_list("rings", ["64x2", "64x3", "32x4", "128x1", "64x1"], "block_k x stages of the SMEM ring")
 flags.DEFINE_list("ctas_per_sm", ["1", "2"], "CTAs per SM the split count aims for (whole waves)")
 flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
-flags.DEFINE_list("unroll", ["true"], "time with the loop unrolled (true) and/or as an XLA while loop (false)")
+flags.DEFINE_multi_enum(
+    "loop", ["unrolled"], ["unrolled", "while"], "how the timed calls are chained (bench_mla --loop); repeatable"
+)
 flags.DEFINE_integer("ceiling_size", 8192, "the copy moves ceiling_size^2 * 16 bf16 values")
 flags.DEFINE_string("out_dir", None, "results directory (default experiments/results)")
 flags.DEFINE_string("name", "bench_mla_stream", "results file stem")
 
 
-def time_stream(cache: jax.Array, block_k: int, stages: int, splits: int, unroll: bool) -> float:
-    """Seconds per `stream` call, from a jitted loop of FLAGS.inner calls chained through the token."""
+def time_stream(cache: jax.Array, block_k: int, stages: int, splits: int, loop: str) -> float:
+    """Seconds per `stream` call, from FLAGS.inner calls chained through the token, unrolled or in a while loop."""
     fn = functools.partial(stream, block_k=block_k, stages=stages, splits=splits)
 
-    def loop(c):
-        return lax.fori_loop(0, FLAGS.inner, lambda _, tok: tok + fn(tok, c)[0, :1], jnp.zeros(1), unroll=unroll)
+    def run(c):
+        body = lambda _, tok: tok + fn(tok, c)[0, :1]  # noqa: E731
+        return lax.fori_loop(0, FLAGS.inner, body, jnp.zeros(1), unroll=loop == "unrolled")
 
-    loop = jax.jit(loop)
-    return common.time_fn(lambda: loop(cache), warmup=1, repeats=5) / FLAGS.inner
+    run = jax.jit(run)
+    return common.time_fn(lambda: run(cache), warmup=1, repeats=5) / FLAGS.inner
 
 
 def parse_rings(raw: Sequence[str]) -> list[tuple[int, int]]:
@@ -73,17 +76,16 @@ def main(argv: Sequence[str]) -> None:
     copy_tbps = bw.get("torch_copy_tbps", bw["xla_add_tbps"])
     sms = sm_count()
     records: list[dict[str, Any]] = []
-    columns = ["context", "batch", "block_k", "stages", "splits", "ctas", "smem_KiB", "unroll", "us", "TB/s", "of_copy"]
+    columns = ["context", "batch", "block_k", "stages", "splits", "ctas", "smem_KiB", "loop", "us", "TB/s", "of_copy"]
     for context, batch in itertools.product(map(int, FLAGS.contexts), map(int, FLAGS.batches)):
         cache = jax.random.normal(jax.random.key(context + batch), (batch, context, DK), jnp.bfloat16)
-        unrolls = [u.lower() == "true" for u in FLAGS.unroll]
-        for (block_k, stages), per_sm, unroll in itertools.product(rings, map(int, FLAGS.ctas_per_sm), unrolls):
+        for (block_k, stages), per_sm, loop in itertools.product(rings, map(int, FLAGS.ctas_per_sm), FLAGS.loop):
             smem = stages * block_k * DK * 2
             if smem * per_sm > SMEM_LIMIT:
                 continue
             splits = whole_wave_splits(batch, context // block_k, per_sm * sms)
             try:
-                t = time_stream(cache, block_k, stages, splits, unroll)
+                t = time_stream(cache, block_k, stages, splits, loop)
             except Exception as e:  # noqa: BLE001 - one failing ring must not end the run
                 logging.warning("ring %dx%d at %s x %s failed: %s", block_k, stages, context, batch, str(e)[:300])
                 continue
@@ -97,7 +99,7 @@ def main(argv: Sequence[str]) -> None:
                     "splits": splits,
                     "ctas": splits * batch,
                     "smem_KiB": smem / 1024,
-                    "unroll": unroll,
+                    "loop": loop,
                     "us": t * 1e6,
                     "TB/s": tbps,
                     "of_copy": tbps / copy_tbps,

@@ -324,10 +324,12 @@ def wave_splits(ctas: int, n_tiles: int, sms: int = 132, overhead_tiles: int = 2
     return best
 
 
-def default_config(batch: int, rows: int, max_len: int) -> MosaicMLAConfig:
-    """64-slot tiles in a 2-stage ring, S in both warpgroups; splits by `wave_splits` for this GPU's SM count."""
-    config = MosaicMLAConfig()
-    splits = wave_splits(batch * pl.cdiv(rows, BLOCK_R), pl.cdiv(max_len, config.block_k), sm_count())
+def default_config(batch: int, rows: int, max_len: int, tiling: MosaicMLAConfig | None = None) -> MosaicMLAConfig:
+    """`tiling` (default: 64-slot tiles in a 2-stage ring, S in both warpgroups) with its split count chosen by
+    `wave_splits` for this GPU's SM count; the fixed per-CTA overhead is 128 slots' worth of tiles."""
+    config = tiling or MosaicMLAConfig()
+    ctas, tiles = batch * pl.cdiv(rows, BLOCK_R), pl.cdiv(max_len, config.block_k)
+    splits = wave_splits(ctas, tiles, sm_count(), overhead_tiles=max(1, 128 // config.block_k))
     return dataclasses.replace(config, num_splits=splits)
 
 
@@ -363,7 +365,7 @@ def mla_attention_mosaic_split(
         length = padded
     rows = n * heads
     rows_pad = pl.cdiv(rows, BLOCK_R) * BLOCK_R
-    num_splits = config.num_splits or wave_splits(b * rows_pad // BLOCK_R, pl.cdiv(length, block_k), sm_count())
+    num_splits = config.num_splits or default_config(b, rows, length, config).num_splits
     qr = jnp.pad(q.reshape(b, rows, dk).astype(latent_cache.dtype), ((0, 0), (0, rows_pad - rows), (0, 0)))
     words = _tree_words(tree_mask, heads, rows_pad)  # [B, W, rows_pad]
     n_words = words.shape[1]

@@ -318,6 +318,7 @@ def test_ab_flags(tiny_pair, tmp_path):
         ("sweep", "--repeats=", "--repeats"),
         ("bench_mla", "--kernels=mosaic_dup", "unknown"),
         ("bench_mla_stream", "--rings=64x", "--rings"),
+        ("bench_mla_stream", "--loop=yes", "--loop"),  # absl rejects it
     ],
 )
 def test_experiment_bad_input_is_one_line_and_exit_2(module, arg, says):
