@@ -27,6 +27,7 @@ from ddtree_jax import tree as ddtree
 from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache
 from ddtree_jax.models.kimi import ForwardOut, KimiForCausalLM, LatentCache
 from ddtree_jax.sampling import sample
+from ddtree_jax.sizing import cache_slots
 from pallas_kernels import dispatch
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -96,8 +97,10 @@ def prefill_len(spec: GenSpec) -> int:
 
 
 def cache_capacity(spec: GenSpec, draft_len: int) -> int:
-    """Slots needed in the target cache: prompt + generated + one verify block, plus one slot of slack."""
-    return max(prefill_len(spec), spec.prompt_len + spec.max_new_tokens + tree_size(spec, draft_len) + 1)
+    """Slots of the target and drafter caches: prompt + generated + one verify block + one slot of slack, rounded
+    up to whole KV tiles (`sizing.cache_slots`)."""
+    needed = max(prefill_len(spec), spec.prompt_len + spec.max_new_tokens + tree_size(spec, draft_len) + 1)
+    return cache_slots(needed)
 
 
 def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:

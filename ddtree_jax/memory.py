@@ -8,7 +8,8 @@
   norms, q_a / kv_a projections and routers replicated. The drafter (its own layers; it shares the target's
   embedding and lm_head) is replicated.
 * target cache: the latent cache, layers x batch x capacity x (kv_lora_rank + rope dims) values, batch split
-  over `data`; capacity as `engine.cache_capacity` (context + verify block + 1 slot).
+  over `data`; capacity as `engine.cache_capacity` (context + verify block + 1 slot, rounded up to whole
+  64-slot tiles).
 * drafter cache: K and V, layers x 2 x batch x capacity x kv_heads x head_dim, batch split over `data`.
 * workspace: the larger of two phases (XLA frees the prefill's temporaries before the decode loop starts):
     - prefill over the prompt P in chunks of C = min(P, PREFILL_CHUNK) tokens (the engine's chunked prefill):
@@ -40,7 +41,7 @@ from absl import logging
 from ddtree_jax.config import DFlashConfig, KimiConfig
 from ddtree_jax.errors import UserError
 from ddtree_jax.mesh_spec import parse_mesh_spec
-from ddtree_jax.sizing import F32_BYTES, drafter_params, model_sizes, tensor_split_params
+from ddtree_jax.sizing import F32_BYTES, cache_slots, drafter_params, model_sizes, tensor_split_params
 
 PREFILL_CHUNK = 512  # the engine's default `GenSpec.prefill_chunk` (tests/test_memory.py checks they agree)
 
@@ -184,7 +185,7 @@ def plan(
     lay = layout or Layout()
     d = drafter_cfg if method != "ar" else None
     t = tree_size(method, budget, d.num_draft if d is not None else 0)
-    cap = max_len + t + 1
+    cap = cache_slots(max_len + t + 1)
     p = max_len if prompt_len is None else min(prompt_len, max_len)
     b = math.ceil(batch / lay.data)
     c, w = target_cfg, dtype_bytes

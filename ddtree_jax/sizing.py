@@ -10,6 +10,13 @@ from __future__ import annotations
 from ddtree_jax.config import DFlashConfig, KimiConfig
 
 BF16_BYTES, F32_BYTES = 2, 4
+CACHE_ALIGN = 64  # cache slots come in whole 64-slot KV tiles: the MLA kernels then never pad (copy) the cache
+
+
+def cache_slots(needed: int) -> int:
+    """Allocated length of a KV / latent cache holding `needed` slots: rounded up to a multiple of CACHE_ALIGN.
+    The Mosaic MLA kernel pads (copies) a cache whose length is not a multiple of 8, every call."""
+    return -(-needed // CACHE_ALIGN) * CACHE_ALIGN
 
 
 def attention_params(c: KimiConfig) -> int:

@@ -6,11 +6,14 @@ reference and each --kernels entry over a matrix of (context, nodes, batch, head
 (`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S computed by both compute warpgroups),
 `mosaic_shared_p` (the same with P shared between them, `share_p=True`), and `mosaic_k32` / `mosaic_k32_shared_p`
 (32-slot KV tiles in a 4-deep ring). Per cell: time, bytes, FLOPs and the
-roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. Each timing runs `--inner` dependent calls
-inside one jitted function, so launch gaps between kernels count but host dispatch does not; `--loop` chains them
-straight-line (default), in an XLA while loop, or in a while loop that carries the cache as the engine does (the
-last two cost some kernels a per-call amount that grows with the cache: experiments/notes_mla.md). Results are
-rewritten after every cell.
+roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. A call's time is the difference between
+jitted programs of `--inner` and 2 x `--inner` dependent calls (`mla_common.per_call_time`): launch gaps between
+kernels count, host dispatch and the final sync do not. `--loop` chains the calls in a while loop that carries the
+cache and rewrites one slot before each call, as the engine's generation loop does (default), in a while loop over a
+loop-invariant cache, or straight-line (unrolled: XLA may then share work between calls on the same cache, such as
+the reference's value slice). The cache holds context + N slots rounded up to `--cache_align` (the engine allocates
+whole 64-slot tiles); with --cache_align=1 the Mosaic kernel pads, that is copies, the cache on every call.
+Results are rewritten after every cell.
 
     python -m experiments.bench_mla --preset=targets --kernels=triton,mosaic
     python -m experiments.bench_mla --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64,8 --sweep=mixed
@@ -20,6 +23,7 @@ rewritten after every cell.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -35,6 +39,7 @@ from absl import flags, logging  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
 from ddtree_jax.errors import UserError, run_app
+from ddtree_jax.sizing import CACHE_ALIGN  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments.mla_common import (  # noqa: E402
     DK,
@@ -44,6 +49,7 @@ from experiments.mla_common import (  # noqa: E402
     cost,
     looped,
     matmul_rate,
+    per_call_time,
     random_tree_mask,
     rel_err,
 )
@@ -67,14 +73,22 @@ flags.DEFINE_enum(
     "sweep", "none", ["none", "mixed", "decode"], "also time a set of Triton tilings: mixed cells, or decode cells"
 )
 flags.DEFINE_list("mosaic_splits", [], "also time the Mosaic kernel at each of these split counts on every cell")
-flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
+flags.DEFINE_integer(
+    "inner", 10, "time a call from programs of --inner and 2 x --inner calls", lower_bound=1
+)
 flags.DEFINE_enum(
     "loop",
-    "unrolled",
+    "carry",
     ["unrolled", "while", "carry"],
-    "how the --inner timed calls are chained: unrolled (straight-line, as the model calls its layers), while (an XLA "
-    "while loop over a loop-invariant cache) or carry (a while loop whose carry holds the cache, one slot rewritten "
-    "per call, as the engine's generation loop holds it)",
+    "how the timed calls are chained: carry (a while loop whose carry holds the cache, one slot rewritten before "
+    "each call, as the engine's generation loop holds it), while (a while loop over a loop-invariant cache) or "
+    "unrolled (straight-line)",
+)
+flags.DEFINE_integer(
+    "cache_align",
+    CACHE_ALIGN,
+    "cache length: context + N rounded up to this multiple (1: none)",
+    lower_bound=1,
 )
 flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
 flags.DEFINE_integer("ceiling_size", 8192, "matmul size; the copy moves ceiling_size^2 * 16 bf16 values")
@@ -146,18 +160,19 @@ def cells() -> list[tuple[int, int, int, int]]:
 
 
 def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, heads: int):
-    """Random bf16 q `[B, N, Hq, 576]`, cache `[B, context + N, 576]`, prefix_len = context, tree mask."""
+    """Random bf16 q `[B, N, Hq, 576]`, cache `[B, L, 576]` (L = context + N rounded up to --cache_align),
+    prefix_len = context, tree mask."""
     key_q, key_c = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
     q = jax.random.normal(key_q, (batch, n, heads, DK), jnp.bfloat16)
-    cache = jax.random.normal(key_c, (batch, context + n, DK), jnp.bfloat16)
+    length = pl.cdiv(context + n, FLAGS.cache_align) * FLAGS.cache_align
+    cache = jax.random.normal(key_c, (batch, length, DK), jnp.bfloat16)
     prefix = jnp.full((batch,), context, jnp.int32)
     return q, cache, prefix, jnp.asarray(random_tree_mask(rng, batch, n))
 
 
-def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> float:
-    """Seconds per call of fn(*args), from a jitted loop of FLAGS.inner calls."""
-    loop = looped(fn, FLAGS.inner, FLAGS.loop)
-    return common.time_fn(lambda: loop(*args), warmup=1, repeats=5) / FLAGS.inner
+def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> tuple[float, float]:
+    """(seconds per call of fn(*args), seconds paid once per timed program): `per_call_time` over --loop chains."""
+    return per_call_time(lambda k: functools.partial(looped(fn, k, FLAGS.loop), *args), FLAGS.inner)
 
 
 KERNELS = ("triton", "mosaic", "mosaic_shared_p", "mosaic_k32", "mosaic_k32_shared_p")
@@ -242,12 +257,12 @@ def bench_cell(
     ref_t = float("nan")
     if ref_set < FLAGS.mem_gib * 2**30:
         ref_fn = lambda q_, c_, p_, m_: mla_attention_reference(q_, c_, p_, m_, SCALE, DV)
-        ref_t = time_per_call(ref_fn, (q, cache, prefix, mask))
+        ref_t, _ = time_per_call(ref_fn, (q, cache, prefix, mask))
     records = []
     for name, splits in kernels:
         fn, label = kernel(name, batch, n * heads, cache.shape[1], splits)
         try:
-            t = time_per_call(fn, (q, cache, prefix, mask))
+            t, once = time_per_call(fn, (q, cache, prefix, mask))
         except Exception as e:  # noqa: BLE001 - one failing kernel or tiling must not end the run
             logging.warning("cell %s kernel %s %s failed: %s", cell, name, label, str(e)[:300])
             continue
@@ -257,6 +272,7 @@ def bench_cell(
                 "kernel": name,
                 "ref_us": ref_t * 1e6,
                 "kernel_us": t * 1e6,
+                "once_us": once * 1e6,
                 "speedup": ref_t / t,
                 "TB/s": nbytes / t / 1e12,
                 "TFLOP/s": flops / t / 1e12,
@@ -289,6 +305,7 @@ def main(argv: Sequence[str]) -> None:
         "kernel",
         "ref_us",
         "kernel_us",
+        "once_us",
         "speedup",
         "MB",
         "GFLOP",
@@ -304,6 +321,7 @@ def main(argv: Sequence[str]) -> None:
         "checks": checks,
         "inner": FLAGS.inner,
         "loop": FLAGS.loop,
+        "cache_align": FLAGS.cache_align,
     }
     work = [(cell, [(name, None) for name in FLAGS.kernels]) for cell in cells()]
     work += [(cell, [("triton", c) for c in SWEEP_CONFIGS]) for cell in SWEEP_CELLS] if FLAGS.sweep == "mixed" else []

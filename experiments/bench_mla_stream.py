@@ -28,7 +28,7 @@ from jax import lax  # noqa: E402
 
 from ddtree_jax.errors import UserError, run_app  # noqa: E402
 from experiments import common  # noqa: E402
-from experiments.mla_common import DK, copy_bandwidth, stream, whole_wave_splits  # noqa: E402
+from experiments.mla_common import DK, copy_bandwidth, per_call_time, stream, whole_wave_splits  # noqa: E402
 from pallas_kernels.mla_mosaic import SMEM_LIMIT, sm_count  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -36,7 +36,9 @@ flags.DEFINE_list("contexts", ["8192", "32768"], "cache lengths")
 flags.DEFINE_list("batches", ["8", "32"], "batch sizes")
 flags.DEFINE_list("rings", ["64x2", "64x3", "32x4", "128x1", "64x1"], "block_k x stages of the SMEM ring")
 flags.DEFINE_list("ctas_per_sm", ["1", "2"], "CTAs per SM the split count aims for (whole waves)")
-flags.DEFINE_integer("inner", 10, "kernel calls per timed jitted loop")
+flags.DEFINE_integer(
+    "inner", 10, "time a call from programs of --inner and 2 x --inner calls", lower_bound=1
+)
 flags.DEFINE_multi_enum(
     "loop", ["unrolled"], ["unrolled", "while"], "how the timed calls are chained (bench_mla --loop); repeatable"
 )
@@ -46,15 +48,17 @@ flags.DEFINE_string("name", "bench_mla_stream", "results file stem")
 
 
 def time_stream(cache: jax.Array, block_k: int, stages: int, splits: int, loop: str) -> float:
-    """Seconds per `stream` call, from FLAGS.inner calls chained through the token, unrolled or in a while loop."""
+    """Seconds per `stream` call: `per_call_time` over calls chained through the token, unrolled or in a loop."""
     fn = functools.partial(stream, block_k=block_k, stages=stages, splits=splits)
 
-    def run(c):
-        body = lambda _, tok: tok + fn(tok, c)[0, :1]  # noqa: E731
-        return lax.fori_loop(0, FLAGS.inner, body, jnp.zeros(1), unroll=loop == "unrolled")
+    def build(k: int):
+        def run(c):
+            body = lambda _, tok: tok + fn(tok, c)[0, :1]  # noqa: E731
+            return lax.fori_loop(0, k, body, jnp.zeros(1), unroll=loop == "unrolled")
 
-    run = jax.jit(run)
-    return common.time_fn(lambda: run(cache), warmup=1, repeats=5) / FLAGS.inner
+        return functools.partial(jax.jit(run), cache)
+
+    return per_call_time(build, FLAGS.inner)[0]
 
 
 def parse_rings(raw: Sequence[str]) -> list[tuple[int, int]]:

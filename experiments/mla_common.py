@@ -4,7 +4,10 @@ accounting, ceilings, the timed-loop builder and the cache-streaming kernel. No 
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,15 +86,16 @@ def matmul_rate(n: int) -> float:
 def looped(fn: Callable[..., jax.Array], inner: int, loop: str = "unrolled") -> Callable[..., jax.Array]:
     """jit of `inner` dependent calls of fn(q, cache, prefix, mask); q[0,0,0,0] is rewritten each step, so nothing
     is hoisted. loop: "unrolled" (no while loop), "while" (the cache is loop-invariant) or "carry" (the cache is
-    part of the loop carry and its slot prefix[0] of row 0 is rewritten each step)."""
+    part of the loop carry and slot prefix[0] of row 0 is rewritten before each call, as the engine writes the new
+    nodes' latents and then attends)."""
 
     def run(q, cache, prefix, mask):
         def body(_, carry):
             q, cache = carry
+            if loop == "carry":
+                cache = cache.at[0, prefix[0], 0].set(q[0, 0, 0, 1].astype(cache.dtype))
             o = fn(q, cache, prefix, mask)
             q = q.at[0, 0, 0, 0].set(q[0, 0, 0, 0] + 0 * o[0, 0, 0, 0].astype(q.dtype))
-            if loop == "carry":
-                cache = cache.at[0, prefix[0], 0].set(o[0, 0, 0, 1].astype(cache.dtype))
             return q, cache
 
         if loop == "carry":
@@ -99,6 +103,23 @@ def looped(fn: Callable[..., jax.Array], inner: int, loop: str = "unrolled") -> 
         return lax.fori_loop(0, inner, lambda i, q: body(i, (q, cache))[0], q, unroll=loop == "unrolled")
 
     return jax.jit(run)
+
+
+def per_call_time(build: Callable[[int], Callable[[], Any]], inner: int, repeats: int = 7) -> tuple[float, float]:
+    """(seconds per call, seconds paid once per program) from `build(k)`, a no-argument program of k chained calls,
+    at k = inner and 2 * inner, run alternately `repeats` times after a warm-up: per call = the difference of the
+    two medians / inner, which leaves out what each program pays once (host dispatch, the sync, the first
+    launch's latency); the rest of the shorter program's median is the once-per-program cost."""
+    short, long = build(inner), build(2 * inner)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats + 1):
+        for prog, ts in ((short, times[0]), (long, times[1])):
+            t0 = time.perf_counter()
+            jax.block_until_ready(prog())
+            ts.append(time.perf_counter() - t0)
+    t1, t2 = (statistics.median(ts[1:]) for ts in times)
+    per = (t2 - t1) / inner
+    return per, t1 - inner * per
 
 
 def _stream_kernel(token_ref, kv_ref, o_ref, kv_smem, kv_bars, free_bars, *, block_k: int, stages: int, tiles: int):

@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -208,6 +209,7 @@ def mla_attention_split(
             raise ValueError(f"value_dim {value_dim} and rope dim {rope_dim} must be powers of two")
     block_r, block_k = config.block_r, config.block_k
     if length < block_k:  # tiny caches only: keep every KV tile in bounds
+        logging.warning("mla_attention: slow path: cache length %d padded to %d (a copy per call)", length, block_k)
         latent_cache = jnp.pad(latent_cache, ((0, 0), (0, block_k - length), (0, 0)))
         length = block_k
     rows = n * heads

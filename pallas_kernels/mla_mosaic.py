@@ -36,6 +36,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -361,6 +362,7 @@ def mla_attention_mosaic_split(
     # (a copy of the whole cache; allocate caches with L % 8 == 0 and L >= block_k to avoid it).
     if length % 8 or length < block_k:
         padded = max(block_k, pl.cdiv(length, 8) * 8)
+        logging.warning("mla_mosaic: slow path: cache length %d padded to %d (a cache copy per call)", length, padded)
         latent_cache = jnp.pad(latent_cache, ((0, 0), (0, padded - length), (0, 0)))
         length = padded
     rows = n * heads

@@ -412,8 +412,23 @@ def test_bench_mla_loop_modes():
     assert [text[k].count("stablehlo.sine") for k in text] == [3, 1, 1]
     assert [text[k].count("stablehlo.while") for k in text] == [0, 1, 1]
     assert text["carry"].count("stablehlo.scatter") == 2 * text["while"].count("stablehlo.scatter")  # + cache write
+    carry = text["carry"]
+    assert carry.index("stablehlo.scatter") < carry.index("stablehlo.sine")  # the write comes before the call
     for loop in text:
         assert looped(fn, 3, loop)(q, cache, prefix, mask).shape == q.shape
+
+
+def test_per_call_time_leaves_out_the_once_per_program_cost():
+    """Programs of k calls that take 20 ms once plus 5 ms per call: 5 ms per call, 20 ms once."""
+    import time
+
+    from experiments.mla_common import per_call_time
+
+    def build(k: int):
+        return lambda: time.sleep(0.020 + 0.005 * k)
+
+    per, once = per_call_time(build, inner=4, repeats=3)
+    assert abs(per - 0.005) < 0.001 and abs(once - 0.020) < 0.004
 
 
 def test_bench_mla_stream_lowers_and_splits_whole_waves():

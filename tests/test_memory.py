@@ -57,6 +57,7 @@ def test_caches_match_the_engine(method: str, budget: int) -> None:
     spec = engine.GenSpec(method=method, batch=3, prompt_len=64, max_new_tokens=20, budget=budget)
     draft_len = 0 if method == "ar" else dcfg.num_draft
     cap = engine.cache_capacity(spec, draft_len)
+    assert cap % 64 == 0 and cap - 64 < 84 + engine.tree_size(spec, draft_len) + 1 <= cap  # whole 64-slot tiles
     p = memory.plan(target, dcfg, batch=3, max_len=84, prompt_len=64, method=method, budget=budget)
     assert (p.capacity, p.tree_size) == (cap, engine.tree_size(spec, draft_len))
     latent = jax.eval_shape(lambda: KimiForCausalLM(target, rngs=nnx.Rngs(0)).init_cache(3, cap))
@@ -101,7 +102,7 @@ def test_k26_on_eight_gpus() -> None:
     p = memory.plan(t, d, batch=1, max_len=8192, method="ddtree", layout=memory.Layout(expert=8))
     assert p.weights["routed_experts"] == 48 * 60 * 24_772_608  # 384 / 8 experts per MoE layer, INT4
     assert round(sum(p.weights.values()) / 1e9, 1) == 101.7  # + 23.4 GB replicated + 7.0 GB drafter
-    assert p.target_cache == 61 * (8192 + 17 + 1) * 576 * 2
+    assert p.target_cache == 61 * (8192 + 64) * 576 * 2  # 8192 + 17 + 1 slots in whole 64-slot tiles
 
 
 def test_largest_batch_and_longest_context_are_the_boundary() -> None:
