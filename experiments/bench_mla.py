@@ -7,13 +7,13 @@ reference and each --kernels entry over a matrix of (context, nodes, batch, head
 `mosaic_shared_p` (the same with P shared between them, `share_p=True`), and `mosaic_k32` / `mosaic_k32_shared_p`
 (32-slot KV tiles in a 4-deep ring). Per cell: time, bytes, FLOPs and the
 roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. A call's time is the difference between
-jitted programs of `--inner` and 2 x `--inner` dependent calls (`mla_common.per_call_time`): launch gaps between
-kernels count, host dispatch and the final sync do not. `--loop` chains the calls in a while loop that carries the
-cache and rewrites one slot before each call, as the engine's generation loop does (default), in a while loop over a
-loop-invariant cache, or straight-line (unrolled: XLA may then share work between calls on the same cache, such as
-the reference's value slice). The cache holds context + N slots rounded up to `--cache_align` (the engine allocates
-whole 64-slot tiles); with --cache_align=1 the Mosaic kernel pads, that is copies, the cache on every call.
-Results are rewritten after every cell.
+jitted programs of `--inner` (50; unrolled 10) and 2 x `--inner` dependent calls (`mla_common.per_call_time`):
+launch gaps between kernels count, host dispatch and the final sync do not. `--loop` chains the calls in a while
+loop that carries the cache and rewrites one slot before each call, as the engine's generation loop does (default),
+in a while loop over a loop-invariant cache, or straight-line (unrolled: XLA may then share work between calls on
+the same cache, such as the reference's value slice). The cache holds context + N slots rounded up to
+`--cache_align` (the engine allocates whole 64-slot tiles); with --cache_align=1 the Mosaic kernel pads, that is
+copies, the cache on every call. Results are rewritten after every cell.
 
     python -m experiments.bench_mla --preset=targets --kernels=triton,mosaic
     python -m experiments.bench_mla --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64,8 --sweep=mixed
@@ -74,7 +74,7 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_list("mosaic_splits", [], "also time the Mosaic kernel at each of these split counts on every cell")
 flags.DEFINE_integer(
-    "inner", 10, "time a call from programs of --inner and 2 x --inner calls", lower_bound=1
+    "inner", None, "time a call from programs of --inner and 2 x --inner calls (default 50, unrolled 10)", lower_bound=1
 )
 flags.DEFINE_enum(
     "loop",
@@ -172,7 +172,14 @@ def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, head
 
 def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> tuple[float, float]:
     """(seconds per call of fn(*args), seconds paid once per timed program): `per_call_time` over --loop chains."""
-    return per_call_time(lambda k: functools.partial(looped(fn, k, FLAGS.loop), *args), FLAGS.inner)
+    run = looped(fn, FLAGS.loop)
+    return per_call_time(lambda k: functools.partial(run, *args, k), inner())
+
+
+def inner() -> int:
+    """Calls in the shorter timed program: --inner, else 50 in a while loop (one program serves both lengths) and
+    10 unrolled (each length compiles its own straight-line program)."""
+    return FLAGS.inner or (10 if FLAGS.loop == "unrolled" else 50)
 
 
 KERNELS = ("triton", "mosaic", "mosaic_shared_p", "mosaic_k32", "mosaic_k32_shared_p")
@@ -319,7 +326,7 @@ def main(argv: Sequence[str]) -> None:
     extra = {
         "ceilings": {**bw, "matmul_tflops": mm / 1e12, "roofline_bw_tbps": ceilings["bw"] / 1e12},
         "checks": checks,
-        "inner": FLAGS.inner,
+        "inner": inner(),
         "loop": FLAGS.loop,
         "cache_align": FLAGS.cache_align,
     }

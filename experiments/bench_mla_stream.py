@@ -37,7 +37,7 @@ flags.DEFINE_list("batches", ["8", "32"], "batch sizes")
 flags.DEFINE_list("rings", ["64x2", "64x3", "32x4", "128x1", "64x1"], "block_k x stages of the SMEM ring")
 flags.DEFINE_list("ctas_per_sm", ["1", "2"], "CTAs per SM the split count aims for (whole waves)")
 flags.DEFINE_integer(
-    "inner", 10, "time a call from programs of --inner and 2 x --inner calls", lower_bound=1
+    "inner", None, "time a call from programs of --inner and 2 x --inner calls (default 50, unrolled 10)", lower_bound=1
 )
 flags.DEFINE_multi_enum(
     "loop", ["unrolled"], ["unrolled", "while"], "how the timed calls are chained (bench_mla --loop); repeatable"
@@ -48,17 +48,17 @@ flags.DEFINE_string("name", "bench_mla_stream", "results file stem")
 
 
 def time_stream(cache: jax.Array, block_k: int, stages: int, splits: int, loop: str) -> float:
-    """Seconds per `stream` call: `per_call_time` over calls chained through the token, unrolled or in a loop."""
+    """Seconds per `stream` call: `per_call_time` over calls chained through the token, unrolled or in a while
+    loop (whose length is traced: one program for both lengths)."""
     fn = functools.partial(stream, block_k=block_k, stages=stages, splits=splits)
 
-    def build(k: int):
-        def run(c):
-            body = lambda _, tok: tok + fn(tok, c)[0, :1]  # noqa: E731
-            return lax.fori_loop(0, k, body, jnp.zeros(1), unroll=loop == "unrolled")
+    def run(c, k):
+        body = lambda _, tok: tok + fn(tok, c)[0, :1]  # noqa: E731
+        return lax.fori_loop(0, k, body, jnp.zeros(1), unroll=loop == "unrolled")
 
-        return functools.partial(jax.jit(run), cache)
-
-    return per_call_time(build, FLAGS.inner)[0]
+    run = jax.jit(run, static_argnums=(1,) if loop == "unrolled" else ())
+    inner = FLAGS.inner or (10 if loop == "unrolled" else 50)
+    return per_call_time(lambda k: functools.partial(run, cache, k), inner)[0]
 
 
 def parse_rings(raw: Sequence[str]) -> list[tuple[int, int]]:

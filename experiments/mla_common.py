@@ -83,13 +83,14 @@ def matmul_rate(n: int) -> float:
     return 2 * n**3 / common.time_fn(lambda: f(a, b))
 
 
-def looped(fn: Callable[..., jax.Array], inner: int, loop: str = "unrolled") -> Callable[..., jax.Array]:
-    """jit of `inner` dependent calls of fn(q, cache, prefix, mask); q[0,0,0,0] is rewritten each step, so nothing
-    is hoisted. loop: "unrolled" (no while loop), "while" (the cache is loop-invariant) or "carry" (the cache is
-    part of the loop carry and slot prefix[0] of row 0 is rewritten before each call, as the engine writes the new
-    nodes' latents and then attends)."""
+def looped(fn: Callable[..., jax.Array], loop: str = "unrolled") -> Callable[..., jax.Array]:
+    """jit of (q, cache, prefix, mask, k) -> q after k dependent calls of fn(q, cache, prefix, mask); q[0,0,0,0] is
+    rewritten each step, so nothing is hoisted. loop: "unrolled" (no while loop; k static), "while" (the cache is
+    loop-invariant; k traced, so one program serves every k) or "carry" (the same, with the cache in the loop
+    carry and slot prefix[0] of row 0 rewritten before each call, as the engine writes the new nodes' latents and
+    then attends)."""
 
-    def run(q, cache, prefix, mask):
+    def run(q, cache, prefix, mask, k):
         def body(_, carry):
             q, cache = carry
             if loop == "carry":
@@ -99,13 +100,13 @@ def looped(fn: Callable[..., jax.Array], inner: int, loop: str = "unrolled") -> 
             return q, cache
 
         if loop == "carry":
-            return lax.fori_loop(0, inner, body, (q, cache))[0]
-        return lax.fori_loop(0, inner, lambda i, q: body(i, (q, cache))[0], q, unroll=loop == "unrolled")
+            return lax.fori_loop(0, k, body, (q, cache))[0]
+        return lax.fori_loop(0, k, lambda i, q: body(i, (q, cache))[0], q, unroll=loop == "unrolled")
 
-    return jax.jit(run)
+    return jax.jit(run, static_argnums=(4,) if loop == "unrolled" else ())
 
 
-def per_call_time(build: Callable[[int], Callable[[], Any]], inner: int, repeats: int = 7) -> tuple[float, float]:
+def per_call_time(build: Callable[[int], Callable[[], Any]], inner: int, repeats: int = 11) -> tuple[float, float]:
     """(seconds per call, seconds paid once per program) from `build(k)`, a no-argument program of k chained calls,
     at k = inner and 2 * inner, run alternately `repeats` times after a warm-up: per call = the difference of the
     two medians / inner, which leaves out what each program pays once (host dispatch, the sync, the first

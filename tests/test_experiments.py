@@ -408,14 +408,14 @@ def test_bench_mla_loop_modes():
     q, cache = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 16, 8))
     prefix, mask = jnp.array([5, 7], jnp.int32), jnp.ones((2, 1, 1), bool)
     fn = lambda q_, c_, p_, m_: jnp.einsum("bnhd,bld->bnhl", q_, jnp.sin(c_))  # noqa: E731
-    text = {k: looped(fn, 3, k).lower(q, cache, prefix, mask).as_text() for k in ("unrolled", "while", "carry")}
+    text = {k: looped(fn, k).lower(q, cache, prefix, mask, 3).as_text() for k in ("unrolled", "while", "carry")}
     assert [text[k].count("stablehlo.sine") for k in text] == [3, 1, 1]
     assert [text[k].count("stablehlo.while") for k in text] == [0, 1, 1]
     assert text["carry"].count("stablehlo.scatter") == 2 * text["while"].count("stablehlo.scatter")  # + cache write
     carry = text["carry"]
     assert carry.index("stablehlo.scatter") < carry.index("stablehlo.sine")  # the write comes before the call
     for loop in text:
-        assert looped(fn, 3, loop)(q, cache, prefix, mask).shape == q.shape
+        assert looped(fn, loop)(q, cache, prefix, mask, 3).shape == q.shape
 
 
 def test_per_call_time_leaves_out_the_once_per_program_cost():
