@@ -177,8 +177,8 @@ def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> tuple[fl
 
 
 def inner() -> int:
-    """Calls in the shorter timed program: --inner, else 50 in a while loop (one program serves both lengths) and
-    10 unrolled (each length compiles its own straight-line program)."""
+    """Calls in the shorter timed program: --inner, else 50 in a while loop and 10 unrolled (a straight-line
+    program compiles every call)."""
     return FLAGS.inner or (10 if FLAGS.loop == "unrolled" else 50)
 
 

@@ -49,14 +49,14 @@ flags.DEFINE_string("name", "bench_mla_stream", "results file stem")
 
 def time_stream(cache: jax.Array, block_k: int, stages: int, splits: int, loop: str) -> float:
     """Seconds per `stream` call: `per_call_time` over calls chained through the token, unrolled or in a while
-    loop (whose length is traced: one program for both lengths)."""
+    loop (of static length: `mla_common.looped`)."""
     fn = functools.partial(stream, block_k=block_k, stages=stages, splits=splits)
 
     def run(c, k):
         body = lambda _, tok: tok + fn(tok, c)[0, :1]  # noqa: E731
         return lax.fori_loop(0, k, body, jnp.zeros(1), unroll=loop == "unrolled")
 
-    run = jax.jit(run, static_argnums=(1,) if loop == "unrolled" else ())
+    run = jax.jit(run, static_argnums=(1,))
     inner = FLAGS.inner or (10 if loop == "unrolled" else 50)
     return per_call_time(lambda k: functools.partial(run, cache, k), inner)[0]
 
