@@ -477,6 +477,7 @@ def kernel_section(d: Path) -> list[str]:
         ]
     for name in (
         "bench_moe",
+        "bench_mla_carry",
         "bench_mla",
         "bench_tree_build",
         "bench_tree_build_e2e",
@@ -485,8 +486,8 @@ def kernel_section(d: Path) -> list[str]:
         "ab_topk",
         "ab_flags_mla_kernel",
         "ab_flags_mla_auto",
+        "ab_flags_mla_mosaic",
         "bench_mla_stream",
-        "bench_mla_carry",
     ):
         md = d / f"{name}.md"
         if md.is_file():

@@ -8,12 +8,13 @@ CPU). Every choice is logged once per (op, implementation).
 MLA attention has two Pallas kernels: the Pallas-Triton one (`mla_attention.py`, any head dim) and the Mosaic GPU
 one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim). `set_mla_backend` / DDTREE_MLA_KERNEL picks:
 "triton", "mosaic", or "auto" (default): Mosaic on a Hopper GPU for calls with at least MOSAIC_MIN_ROWS query rows
-(nodes x heads: tree verify with many heads, where bench_mla measured it 1.2-1.7x faster than Triton), Triton for
-the rest (decode, few heads). The rule follows timings of calls inside an XLA while loop, as the engine makes them:
-unrolled, Mosaic also wins 64-head decode and most 8-head verify cells, but inside a loop it loses there (a cost
-that grows with the cache; experiments/notes_mla.md), and with the shipped pair's shapes the engine ran 2.2-2.5 %
-slower with Mosaic on every call of more than 32 rows (`ab_flags_mla_auto`). A shape the Mosaic kernel does not
-take runs on Triton. Every choice is logged once.
+(nodes x heads), Triton for fewer (decode with few heads). In a cache-carrying while loop, as the engine calls it,
+bench_mla measured Mosaic faster than Triton in every cell of 64 rows or more (1.3-2.0x; context 60, where both lose
+to the reference, aside) and slower in the 8-row (8-head decode) cells (`bench_mla_carry`); with the shipped pair
+the engine ran 0.6-2.1 % faster with Mosaic on every call (`ab_flags_mla_mosaic`). Caches must come in whole
+64-slot tiles (`sizing.cache_slots`): the Mosaic kernel pads, that is copies, any other length on every call, and
+that copy is what made it lose inside loops before. A shape the Mosaic kernel does not take runs on Triton. Every
+choice is logged once.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pallas_kernels import reference
 _MODES = ("auto", "reference", "pallas", "interpret")
 _OPS = ("moe_swiglu", "mla_attention", "build_tree")
 _MLA_BACKENDS = ("auto", "triton", "mosaic")
-MOSAIC_MIN_ROWS = 512
+MOSAIC_MIN_ROWS = 64
 _mode = "auto"
 _op_modes: dict[str, str] = {}  # per-op overrides of _mode (`use_kernels(mode, op=...)`)
 _mla_backend = "auto"

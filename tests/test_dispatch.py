@@ -24,13 +24,14 @@ def shapes(dk: int, dtype=jnp.bfloat16, nodes: int = 3, heads: int = 8):
     return jnp.zeros((2, nodes, heads, dk), dtype), jnp.zeros((2, 64, dk), dtype)
 
 
-def test_auto_backend_takes_mosaic_for_many_rows_on_hopper_only(monkeypatch):
-    many = shapes(576, nodes=17, heads=64)  # 1088 rows
-    few = shapes(576, nodes=33, heads=8)  # 264 rows
+def test_auto_backend_takes_mosaic_from_64_rows_on_hopper_only(monkeypatch):
+    """auto: Mosaic for nodes x heads >= 64 on a Hopper GPU (bench_mla_carry), Triton below it or elsewhere."""
+    many = [shapes(576, nodes=n, heads=h) for n, h in ((17, 64), (1, 64), (17, 4))]  # verify, decode, shipped pair
+    few = [shapes(576, nodes=n, heads=h) for n, h in ((1, 8), (9, 7))]  # 8-head decode, 63 rows
     for hopper, want_many in ((True, mla_attention_mosaic), (False, mla_attention_pallas)):
         monkeypatch.setattr(dispatch, "_is_hopper", lambda h=hopper: h)
-        assert dispatch.mla_kernel_for(*many, 512) is want_many
-        assert dispatch.mla_kernel_for(*few, 512) is mla_attention_pallas
+        assert all(dispatch.mla_kernel_for(*qc, 512) is want_many for qc in many)
+        assert all(dispatch.mla_kernel_for(*qc, 512) is mla_attention_pallas for qc in few)
         assert dispatch.mla_kernel_for(*shapes(576, jnp.float32, 17, 64), 512) is mla_attention_pallas
     assert not dispatch._is_hopper()  # this CPU
 
