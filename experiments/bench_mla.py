@@ -92,7 +92,9 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_bool("check", True, "check each kernel against an f32 reference on the GPU first (about a minute)")
 flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
-flags.DEFINE_integer("ceiling_size", 8192, "matmul size; the copy moves ceiling_size^2 * 16 bf16 values")
+flags.DEFINE_integer(
+    "ceiling_size", 8192, "matmul sizes n and 2n (the best rate); the copy moves ceiling_size^2 * 16 bf16 values"
+)
 flags.DEFINE_bool("interpret", False, "run the kernel in Pallas interpret mode (CPU smoke test)")
 flags.DEFINE_string("out_dir", None, "results directory (default experiments/results)")
 flags.DEFINE_string("name", "bench_mla", "results file stem")

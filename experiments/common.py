@@ -48,8 +48,15 @@ def metadata() -> dict[str, Any]:
     }
 
 
-def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10) -> float:
-    """Median wall time in seconds of `fn()` (its outputs blocked on), after `warmup` calls."""
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 2,
+    repeats: int = 10,
+    stat: Callable[[list[float]], float] = statistics.median,
+) -> float:
+    """`stat` (default the median) of the wall times in seconds of `repeats` calls of `fn()` (outputs blocked on),
+    after `warmup` calls."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
     times = []
@@ -57,7 +64,7 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10) -> flo
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return stat(times)
 
 
 def time_interleaved(gen, batches: list, kws: list[dict], repeats: int, step: Callable[[str], Any]) -> list[tuple]:
