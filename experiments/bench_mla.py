@@ -4,7 +4,8 @@ Measures in the same run the device copy bandwidth and the bf16 matmul rate (the
 kernel on the GPU (rel. err vs an f32 reference; the Triton kernel with poisoned partial outputs), then times the
 reference and each --kernels entry over a matrix of (context, nodes, batch, heads) cells: `triton`
 (`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S computed by both compute warpgroups),
-`mosaic_shared_p` (the same with P shared between them, `share_p=True`), and `mosaic_k32` / `mosaic_k32_shared_p`
+`mosaic_shared_p` (the same with P shared between them, `share_p=True`), `mosaic_split_s` (S split between them by
+slots, `split_s=True`: no MMA work repeated), and `mosaic_k32` / `mosaic_k32_shared_p`
 (32-slot KV tiles in a 4-deep ring). Per cell: time, bytes, FLOPs and the
 roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. A call's time is the difference between
 jitted programs of `--inner` (50; unrolled 10) and 2 x `--inner` dependent calls (`mla_common.per_call_time`):
@@ -185,7 +186,7 @@ def inner() -> int:
     return FLAGS.inner or (10 if FLAGS.loop == "unrolled" else 50)
 
 
-KERNELS = ("triton", "mosaic", "mosaic_shared_p", "mosaic_k32", "mosaic_k32_shared_p")
+KERNELS = ("triton", "mosaic", "mosaic_shared_p", "mosaic_split_s", "mosaic_k32", "mosaic_k32_shared_p")
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
 
@@ -204,9 +205,12 @@ def kernel(
     cfg = mla_mosaic.default_config(batch, rows, length, tiling)
     if name.endswith("shared_p"):
         cfg = dataclasses.replace(cfg, share_p=True)
+    if name.endswith("split_s"):
+        cfg = dataclasses.replace(cfg, split_s=True)
     if isinstance(splits, int):
         cfg = dataclasses.replace(cfg, num_splits=splits)
     label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}" + ("shp" if cfg.share_p else "")
+    label += "spl" if cfg.split_s else ""
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
         q, c, p, m, SCALE, DV, config=cfg, interpret=interpret

@@ -11,12 +11,14 @@ Work layout (FlashMLA-like, simplest form):
 * Three warpgroups per CTA: a memory warpgroup streams Q `[64, 576]` once and the KV tiles `[block_k, 576]` by
   TMA into a `num_stages` SMEM ring; two compute warpgroups each own half of the 512 value columns (a `[64, 256]`
   f32 accumulator = 128 registers per thread).
-* Default (`share_p`): the tiles alternate between the compute warpgroups. The owner of a tile computes
-  S = Q K^T with wgmma, the masked online softmax, and publishes P (bf16) and the running max / sum in SMEM; each
-  warpgroup adds P V for its columns, the owner from registers, the other from SMEM at the start of its next
-  tile. So every QK^T and softmax runs once, and one warpgroup's softmax overlaps the other's wgmma.
-  `share_p=False`: both warpgroups compute S and the softmax of every tile (a third of the MMA work is then
-  repeated, at 576 / 512 dims) with an FA3 ping-pong schedule barrier between them.
+* Three ways to split the softmax work between them (`MosaicMLAConfig`):
+  - default: both warpgroups compute S = Q K^T and the masked online softmax of every tile (a third of the MMA
+    work is then repeated, at 576 / 512 dims) with an FA3 ping-pong schedule barrier between them;
+  - `share_p`: the tiles alternate between the warpgroups; the owner of a tile computes S and the softmax and
+    publishes P (bf16) and the running max / sum in SMEM; each adds P V for its columns, the owner from registers,
+    the other from SMEM at the start of its next tile;
+  - `split_s`: each warpgroup computes S for half of every tile's slots; they exchange row maxima and P halves
+    through SMEM, and each adds P V for its columns over the whole tile. No MMA work is repeated.
 * Tiles wholly inside the prefix run unmasked; the last tiles (those touching the N-node block) mask by the slot
   bound and the tree mask, given per row as 32-bit words of ancestor bits (`mla_attention._tree_words`).
 * Each CTA writes a normalised bf16 partial `[64, 512]` (staged in Q's SMEM) and its f32 log-sum-exp; the XLA
@@ -61,6 +63,10 @@ class MosaicMLAConfig:
     softmax once and passes P (bf16, SMEM) and the running max / sum to the other (`compute_shared` in `_kernel`).
     Off (the default, faster on the H200: experiments/notes_mla.md): both warpgroups compute S for every tile
     (`compute_duplicated`, FA3 ping-pong with `schedule_barrier`).
+    split_s: each compute warpgroup computes S and P for its half of every tile's slots, the two exchange the row
+    maxima and their P halves through SMEM, and each adds P V for its value columns with the whole P
+    (`compute_split`): no MMA work is repeated. P V then runs in two K = block_k / 2 halves, so the swizzle is 64
+    bytes for 64-slot tiles.
     """
 
     block_k: int = 64
@@ -68,16 +74,24 @@ class MosaicMLAConfig:
     num_splits: int = 0
     schedule_barrier: bool = True
     share_p: bool = False
+    split_s: bool = False
 
     def __post_init__(self):
-        if self.block_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
-            raise ValueError(f"block_k must be a multiple of 32 and num_stages >= 1: {self}")
+        if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
+            raise ValueError(f"P V's K dim (block_k, halved with split_s) must be a multiple of 32: {self}")
+        if self.share_p and self.split_s:
+            raise ValueError(f"share_p and split_s are two ways of sharing the softmax; pick one: {self}")
+
+    @property
+    def pv_k(self) -> int:
+        """K dim of one P V product: the tile's slots, or half of them with split_s."""
+        return self.block_k // 2 if self.split_s else self.block_k
 
     @property
     def swizzle(self) -> int:
-        """Bytes of the SMEM swizzle of Q, the KV ring and P: 128, or 64 for 32-slot tiles (P V's K dim is one
-        swizzle tile wide at most)."""
-        return 64 if self.block_k % 64 else 128
+        """Bytes of the SMEM swizzle of Q, the KV ring and P: 128, or 64 when P V's K dim is 32 (one wgmma takes
+        one swizzle for both operands, and K must fill whole swizzle tiles)."""
+        return 64 if self.pv_k % 64 else 128
 
 
 def smem_bytes(config: MosaicMLAConfig, dk: int = 576, value_dim: int = 512, n_words: int = 1) -> int:
@@ -125,8 +139,9 @@ def _kernel(
     GMEM: prefix_ref `[B]` int32, q_ref `[B, R, dk]`, kv_ref `[B, L, dk]`, words_ref `[B, W, R]` int32;
     outputs o_ref `[B, S, R, dv]` bf16 (normalised partials), lse_ref `[B, S, R]` f32.
     SMEM: q_o_smem = (Q `[64, dk]`, the output `[2, 64, dv / 2]` in the same memory), kv_smem
-    `[stages, block_k, dk]`, words_smem `[W, 64]`, p_smem `[64, block_k]` (the last published P; share_p only)
-    and stat_smem `[3, 64]` f32 (rows 0, 1: that P's running max and sum, share_p only; row 2: the output LSE).
+    `[stages, block_k, dk]`, words_smem `[W, 64]`, p_smem (share_p: the last published P `[64, block_k]`;
+    split_s: the two P halves `[2, 64, block_k / 2]`) and stat_smem `[3, 64]` f32 (rows 0, 1: share_p: that P's
+    running max and sum; split_s: each warpgroup's row maximum, at the end its row sum; row 2: the output LSE).
     Every SMEM buffer is placed at a 1 KiB boundary, so the small ones share one.
     """
     block_k, stages = config.block_k, config.num_stages
@@ -153,21 +168,21 @@ def _kernel(
     def row_bcast(v, like):
         return lax.broadcast_in_dim(v, like.shape, [0])
 
-    def scores(t, slot, words, masked: bool, ping_pong: bool):
-        """S = Q K_t^T * scale * log2(e) `[64, block_k]` f32 once tile t has landed in `slot`; masked: slots past
-        the visible length and tree slots that are not ancestors are -inf."""
+    def scores(t, slot, words, masked: bool, ping_pong: bool, first: int = 0, width: int = block_k):
+        """S = Q K^T * scale * log2(e) `[64, width]` f32 over slots [first, first + width) of tile t once it has
+        landed in `slot`; masked: slots past the visible length and tree slots that are not ancestors are -inf."""
         plgpu.barrier_wait(kv_bars.at[slot])
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot, pl.ds(first, width)].transpose((1, 0)))
             if ping_pong:
                 schedule()
             return acc_ref[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_R, block_k), jnp.float32)) * qk_scale
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_R, width), jnp.float32)) * qk_scale
         if not masked:
             return s
-        slot_ids = t * block_k + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        slot_ids = t * block_k + first + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         rel = slot_ids - prefix
         word_idx = lax.shift_right_arithmetic(rel, 5)
         word = jnp.zeros_like(rel)
@@ -258,13 +273,58 @@ def _kernel(
         last_is_other = (n >= 1) & (lax.rem(n + 1, 2) != half)  # step n - 1 belongs to the other warpgroup
         return lax.fori_loop(0, last_is_other.astype(jnp.int32), lambda _, c: consume(n - 1, c), carry)
 
+    def compute_split(half: int, words, cols):
+        """Warpgroup `half` computes S and P for slots [half * block_k / 2, (half + 1) * block_k / 2) of every tile;
+        the two exchange their row maxima (stat_smem rows 0, 1) and P halves (p_smem) at two barriers per tile,
+        and each adds P V for its columns: its own P half from registers, the other's from SMEM. The row sums
+        stay per half until the end."""
+        hk = block_k // 2
+        own, other = pl.ds(half * hk, hk), pl.ds((1 - half) * hk, hk)
+
+        def exchange():
+            plgpu.barrier_arrive(sched_bar)
+            plgpu.barrier_wait(sched_bar)
+
+        def swap(row_value):
+            """Publish this warpgroup's `[64]` f32 row value and return the other's."""
+            stat_smem.at[half][...] = row_value
+            plgpu.commit_smem()
+            exchange()
+            return plgpu.load(stat_smem.at[1 - half], layout=_ROW)
+
+        def tile(t, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(t - t_lo, stages)
+            s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
+            m_own = jnp.maximum(m_i, s.max(axis=1))
+            m_new = jnp.maximum(m_own, swap(m_own))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - row_bcast(m_new, s))
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(kv_smem.dtype)
+            p_smem.at[half][...] = p16  # the other warpgroup's last P V, which read this buffer, has completed
+            plgpu.commit_smem()
+            exchange()
+
+            def body(acc_ref):
+                plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
+                plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
+
+            acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
+            plgpu.barrier_arrive(free_bars.at[slot])
+            return acc, m_new, l_i
+
+        carry = lax.fori_loop(t_lo, t_full, functools.partial(tile, masked=False), init_carry())
+        acc, m_i, l_i = lax.fori_loop(t_full, t_hi, functools.partial(tile, masked=True), carry)
+        return acc, m_i, l_i + swap(l_i)
+
     def compute(half: int):
         """Compute warpgroup `half`: output columns [half * dv / 2, (half + 1) * dv / 2)."""
         plgpu.set_max_registers(232, action="increase")
         cols = pl.ds(half * half_dv, half_dv)
         plgpu.barrier_wait(q_bar)
         words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])]
-        run = compute_shared if config.share_p else compute_duplicated
+        run = compute_shared if config.share_p else compute_split if config.split_s else compute_duplicated
         acc, m_i, l_i = run(half, words, cols)
 
         seen = l_i > 0.0
@@ -390,7 +450,11 @@ def mla_attention_mosaic_split(
             ),
             plgpu.SMEM((config.num_stages, block_k, dk), latent_cache.dtype, transforms=swizzled),
             plgpu.SMEM((n_words, BLOCK_R), jnp.int32),
-            plgpu.SMEM((BLOCK_R, block_k), latent_cache.dtype, transforms=swizzled),
+            plgpu.SMEM(
+                (2, BLOCK_R, block_k // 2) if config.split_s else (BLOCK_R, block_k),
+                latent_cache.dtype,
+                transforms=swizzled,
+            ),
             plgpu.SMEM((3, BLOCK_R), jnp.float32),
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_barriers=config.num_stages),

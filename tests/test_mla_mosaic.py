@@ -55,6 +55,8 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (3, 33, 8, 2050, None),
         (1, 1, 64, 60, None),
         (2, 17, 8, 1000, MosaicMLAConfig(num_splits=3, schedule_barrier=False)),
+        (4, 1, 64, 4096, MosaicMLAConfig(split_s=True)),
+        (1, 17, 8, 8256, MosaicMLAConfig(num_splits=5, split_s=True)),
     ],
 )
 def test_lowers_for_cuda(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None):
@@ -78,15 +80,27 @@ def run(q, cache, prefix, mask, config: MosaicMLAConfig | None, races: bool = Fa
     return out
 
 
-@pytest.mark.parametrize("n, share_p", [(17, False), (17, True), (33, False)])
-def test_tree_verify_random_parents(n: int, share_p: bool):
+SPLIT_S = MosaicMLAConfig(num_splits=3, split_s=True)
+
+
+@pytest.mark.parametrize(
+    "n, config",
+    [
+        (17, MosaicMLAConfig(num_splits=3)),
+        (17, MosaicMLAConfig(num_splits=3, share_p=True)),
+        (17, SPLIT_S),
+        (33, MosaicMLAConfig(num_splits=3)),
+        (33, SPLIT_S),
+    ],
+)
+def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
     """Ragged prefixes (0, mid-tile, cache end), 2-3 row blocks, 3 splits; N = 33 needs two ancestor words.
     Race detection on at N = 17."""
     rng = np.random.default_rng(n)
     batch, heads, length = 3, 4, 203
     q, cache, prefix = inputs(rng, batch, n, heads, length, [0, 70, length - n])
     mask = jnp.asarray(random_parent_mask(rng, batch, n))
-    out = run(q, cache, prefix, mask, MosaicMLAConfig(num_splits=3, share_p=share_p), races=n == 17)
+    out = run(q, cache, prefix, mask, config, races=n == 17)
     ref = reference(q, cache, prefix, mask)
     assert out.shape == (batch, n, heads, DV) and out.dtype == q.dtype
     assert rel_err(out, ref) < 1e-2
@@ -102,13 +116,16 @@ def test_decode_single_node(heads: int):
     q, cache, prefix = inputs(rng, batch, 1, heads, length, [0, 5, 130, length - 1])
     mask = jnp.ones((batch, 1, 1), bool)
     ref = reference(q, cache, prefix, mask)
-    for config in (None, MosaicMLAConfig(num_splits=4)):
+    for config in (None, MosaicMLAConfig(num_splits=4), MosaicMLAConfig(num_splits=4, split_s=True)):
         assert rel_err(run(q, cache, prefix, mask, config), ref) < 1e-2
 
 
-@pytest.mark.parametrize("config", [MosaicMLAConfig(num_splits=2, share_p=False), MosaicMLAConfig(num_splits=2)])
+@pytest.mark.parametrize(
+    "config",
+    [MosaicMLAConfig(num_splits=2, share_p=True), MosaicMLAConfig(num_splits=2), MosaicMLAConfig(split_s=True)],
+)
 def test_causal_block(config: MosaicMLAConfig):
-    """A causal 40-node block (two ancestor words), both ways of splitting the softmax work."""
+    """A causal 40-node block (two ancestor words), the three ways of splitting the softmax work."""
     rng = np.random.default_rng(3)
     batch, n, heads = 2, 40, 2
     q, cache, prefix = inputs(rng, batch, n, heads, 170, [0, 100])
