@@ -6,7 +6,8 @@
 #   5. float32 exactness at long context (sweep_context_float32)
 #   6. tree build: Pallas kernel vs plain JAX, top-k variants (bench_tree_build)   7. REPORT.md + plots
 #   on request only (STAGES=mla): the MLA kernels' key cells timed in a while loop that carries the cache, as the
-#   engine calls them (bench_mla's default -> bench_mla_carry, the record of issue 5's bars; about 5 min)
+#   engine calls them (bench_mla's default -> bench_mla_carry, the record of issue 5's bars, with the split_s
+#   variant; about 8 min)
 #
 # Results go to $OUT when set (the device tool's output folder), else experiments/results. Each stage has a
 # wall-clock cap in seconds (override through the environment) and writes its records after every cell, so a stage
@@ -22,7 +23,7 @@ CONTEXT_S=${CONTEXT_S:-50}
 EXACT_S=${EXACT_S:-120}
 BENCH_LAYERS=${BENCH_LAYERS:-4}  # the projection scales one measured MoE layer to 61; 0: as many as fit
 TREE_S=${TREE_S:-200}
-MLA_S=${MLA_S:-420}
+MLA_S=${MLA_S:-560}
 REPEATS=${REPEATS:-3}
 MAX_NEW=${MAX_NEW:-128}
 AXIS_BUDGETS=${AXIS_BUDGETS:-8}  # DDTree budgets on the concurrency and context axes
@@ -53,7 +54,7 @@ want exact && stage exact "$EXACT_S" "$PY" "${SWEEP[@]}" --axis=context --contex
   --methods=ar,ddtree --dtype=float32 --repeats=1
 want tree && stage tree "$TREE_S" "$PY" -m experiments.bench_tree_build --out_dir="$RES" --topk_vocabs=4096,163840 \
   --batches=1,32 --e2e_budgets=8,16
-want mla && stage mla "$MLA_S" "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=key --kernels=triton,mosaic \
-  --name=bench_mla_carry
+want mla && stage mla "$MLA_S" "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=key \
+  --kernels=triton,mosaic,mosaic_split_s --name=bench_mla_carry
 "$PY" -m experiments.report --results_dir="$RES"
 echo "== total ${SECONDS}s; results in $RES"
