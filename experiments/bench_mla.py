@@ -46,6 +46,7 @@ from experiments.mla_common import (  # noqa: E402
     DK,
     DV,
     SCALE,
+    calls_per_program,
     copy_bandwidth,
     cost,
     looped,
@@ -177,13 +178,7 @@ def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, head
 def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> tuple[float, float]:
     """(seconds per call of fn(*args), seconds paid once per timed program): `per_call_time` over --loop chains."""
     run = looped(fn, FLAGS.loop)
-    return per_call_time(lambda k: functools.partial(run, *args, k), inner())
-
-
-def inner() -> int:
-    """Calls in the shorter timed program: --inner, else 50 in a while loop and 10 unrolled (a straight-line
-    program compiles every call)."""
-    return FLAGS.inner or (10 if FLAGS.loop == "unrolled" else 50)
+    return per_call_time(lambda k: functools.partial(run, *args, k), calls_per_program(FLAGS.loop, FLAGS.inner))
 
 
 KERNELS = ("triton", "mosaic", "mosaic_shared_p", "mosaic_split_s", "mosaic_k32", "mosaic_k32_shared_p")
@@ -333,7 +328,7 @@ def main(argv: Sequence[str]) -> None:
     extra = {
         "ceilings": {**bw, "matmul_tflops": mm / 1e12, "roofline_bw_tbps": ceilings["bw"] / 1e12},
         "checks": checks,
-        "inner": inner(),
+        "inner": calls_per_program(FLAGS.loop, FLAGS.inner),
         "loop": FLAGS.loop,
         "cache_align": FLAGS.cache_align,
     }

@@ -28,7 +28,14 @@ from jax import lax  # noqa: E402
 
 from ddtree_jax.errors import UserError, run_app  # noqa: E402
 from experiments import common  # noqa: E402
-from experiments.mla_common import DK, copy_bandwidth, per_call_time, stream, whole_wave_splits  # noqa: E402
+from experiments.mla_common import (  # noqa: E402
+    DK,
+    calls_per_program,
+    copy_bandwidth,
+    per_call_time,
+    stream,
+    whole_wave_splits,
+)
 from pallas_kernels.mla_mosaic import SMEM_LIMIT, sm_count  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -57,8 +64,7 @@ def time_stream(cache: jax.Array, block_k: int, stages: int, splits: int, loop: 
         return lax.fori_loop(0, k, body, jnp.zeros(1), unroll=loop == "unrolled")
 
     run = jax.jit(run, static_argnums=(1,))
-    inner = FLAGS.inner or (10 if loop == "unrolled" else 50)
-    return per_call_time(lambda k: functools.partial(run, cache, k), inner)[0]
+    return per_call_time(lambda k: functools.partial(run, cache, k), calls_per_program(loop, FLAGS.inner))[0]
 
 
 def parse_rings(raw: Sequence[str]) -> list[tuple[int, int]]:

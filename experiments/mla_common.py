@@ -112,6 +112,12 @@ def looped(fn: Callable[..., jax.Array], loop: str = "unrolled") -> Callable[...
     return jax.jit(run, static_argnums=(4,))
 
 
+def calls_per_program(loop: str, inner: int | None = None) -> int:
+    """Calls in the shorter timed program: `inner`, else 50 in a while loop and 10 unrolled (a straight-line
+    program compiles every call)."""
+    return inner or (10 if loop == "unrolled" else 50)
+
+
 def per_call_time(build: Callable[[int], Callable[[], Any]], inner: int, repeats: int = 11) -> tuple[float, float]:
     """(seconds per call, seconds paid once per program) from `build(k)`, a no-argument program of k chained calls,
     at k = inner and 2 * inner, run alternately `repeats` times after a warm-up: per call = the difference of the
