@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,15 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
 )
 def test_lowers_for_cuda(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None):
     assert "mosaic_gpu" in _lower(b, n, heads, length, config)
+
+
+def test_unaligned_cache_logs_its_pad(caplog):
+    """A cache length that is not a multiple of 8 is padded (copied) every call: logged as a slow path."""
+    with caplog.at_level(logging.WARNING):
+        _lower(1, 1, 8, 2048, None)
+        assert "slow path" not in caplog.text
+        _lower(1, 1, 8, 2050, None)
+    assert "cache length 2050 padded to 2056" in caplog.text
 
 
 def test_smem_budget():
