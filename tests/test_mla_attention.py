@@ -84,16 +84,24 @@ def test_decode_single_node(heads: int):
         assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
 
 
+def builder_masks(rng: np.random.Generator, budget: int, depth: int = 4, vocab: int = 11) -> jax.Array:
+    """`[2, budget + 1, budget + 1]` ancestor masks of two trees from the project's tree builder on random drafter
+    logits; the second row's drafter puts all its mass on one token, so its tree is a `depth`-node chain padded
+    out to the budget."""
+    logits = jnp.asarray(rng.standard_normal((2, depth, vocab)), jnp.float32)
+    logits = logits.at[1, :, 1:].set(-jnp.inf)
+    trees = jax.vmap(lambda lg: ddtree.build_tree(lg, jnp.int32(1), budget))(logits)
+    mask = jax.vmap(ddtree.ancestor_mask)(trees)
+    assert not bool(trees.valid[1].all()) and bool(mask[0].sum() > budget + 1)  # padding; a branching tree
+    return mask
+
+
 def test_ddtree_builder_masks():
     """Masks from the project's tree builder (random drafter logits, padding nodes included)."""
     rng = np.random.default_rng(7)
-    batch, heads, depth, vocab, budget = 2, 4, 4, 11, 12
-    logits = jnp.asarray(rng.standard_normal((batch, depth, vocab)), jnp.float32)
-    logits = logits.at[1, :, 1:].set(-jnp.inf)  # row 1: a 4-node chain, so its tree ends in padding
-    trees = jax.vmap(lambda lg: ddtree.build_tree(lg, jnp.int32(1), budget))(logits)
-    mask = jax.vmap(ddtree.ancestor_mask)(trees)
+    batch, heads, budget = 2, 4, 12
+    mask = builder_masks(rng, budget)
     n = budget + 1
-    assert not bool(trees.valid[1].all()) and bool(mask[0].sum() > n)
     q, cache, prefix = inputs(rng, batch, n, heads, 90, [23, 70])
     out = run(q, cache, prefix, mask, SMALL)
     assert rel_err(out, reference(q, cache, prefix, mask)) < 1e-2

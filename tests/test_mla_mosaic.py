@@ -29,7 +29,7 @@ from pallas_kernels.mla_mosaic import (
     smem_bytes,
     wave_splits,
 )
-from tests.test_mla_attention import DK, DV, SCALE, inputs, random_parent_mask, reference, rel_err
+from tests.test_mla_attention import DK, DV, SCALE, builder_masks, inputs, random_parent_mask, reference, rel_err
 
 
 def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None) -> str:
@@ -116,6 +116,15 @@ def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
     assert rel_err(out, ref) < 1e-2
     # The mask matters on these inputs: letting every node see the whole block gives a different answer.
     assert rel_err(out, reference(q, cache, prefix, jnp.ones_like(mask))) > 5e-2
+
+
+@pytest.mark.parametrize("config", [MosaicMLAConfig(num_splits=2), MosaicMLAConfig(num_splits=2, split_s=True)])
+def test_ddtree_builder_masks(config: MosaicMLAConfig):
+    """Budget-16 masks from the project's tree builder (a branching tree; a chain padded out to the budget)."""
+    rng = np.random.default_rng(17)
+    mask = builder_masks(rng, 16)
+    q, cache, prefix = inputs(rng, 2, 17, 4, 150, [40, 133])
+    assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
 
 
 @pytest.mark.parametrize("heads", [8, 64])
