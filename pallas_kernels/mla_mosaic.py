@@ -275,21 +275,17 @@ def _kernel(
 
     def compute_split(half: int, words, cols):
         """Warpgroup `half` computes S and P for slots [half * block_k / 2, (half + 1) * block_k / 2) of every tile;
-        the two exchange their row maxima (stat_smem rows 0, 1) and P halves (p_smem) at two barriers per tile,
-        and each adds P V for its columns: its own P half from registers, the other's from SMEM. The row sums
-        stay per half until the end."""
+        the two exchange their row maxima (stat_smem rows 0, 1) and P halves (p_smem) at two meetings on sched_bar
+        (`schedule`) per tile, and each adds P V for its columns: its own P half from registers, the other's from
+        SMEM. The row sums stay per half until the end."""
         hk = block_k // 2
         own, other = pl.ds(half * hk, hk), pl.ds((1 - half) * hk, hk)
-
-        def exchange():
-            plgpu.barrier_arrive(sched_bar)
-            plgpu.barrier_wait(sched_bar)
 
         def swap(row_value):
             """Publish this warpgroup's `[64]` f32 row value and return the other's."""
             stat_smem.at[half][...] = row_value
             plgpu.commit_smem()
-            exchange()
+            schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
             return plgpu.load(stat_smem.at[1 - half], layout=_ROW)
 
         def tile(t, carry, masked: bool):
@@ -304,7 +300,7 @@ def _kernel(
             p16 = p.astype(kv_smem.dtype)
             p_smem.at[half][...] = p16  # the other warpgroup's last P V, which read this buffer, has completed
             plgpu.commit_smem()
-            exchange()
+            schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
 
             def body(acc_ref):
                 plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
