@@ -3,10 +3,10 @@
 Measures in the same run the device copy bandwidth and the bf16 matmul rate (the two ceilings), checks each
 kernel on the GPU (rel. err vs an f32 reference; the Triton kernel with poisoned partial outputs), then times the
 reference and each --kernels entry over a matrix of (context, nodes, batch, heads) cells: `triton`
-(`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S computed by both compute warpgroups),
-`mosaic_shared_p` (the same with P shared between them, `share_p=True`), `mosaic_split_s` (S split between them by
-slots, `split_s=True`: no MMA work repeated), and `mosaic_k32` / `mosaic_k32_shared_p`
-(32-slot KV tiles in a 4-deep ring). Per cell: time, bytes, FLOPs and the
+(`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S split between the two compute warpgroups
+by slots, no MMA work repeated), `mosaic_duplicate` (S computed by both, `softmax="duplicate"`), `mosaic_shared`
+(P shared between them, `softmax="shared"`), and `mosaic_k32` / `mosaic_k32_shared` (32-slot KV tiles in a
+4-deep ring, S computed by both / shared). Per cell: time, bytes, FLOPs and the
 roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. A call's time is the difference between
 jitted programs of `--inner` (50; unrolled 10) and 2 x `--inner` dependent calls (`mla_common.per_call_time`):
 launch gaps between kernels count, host dispatch and the final sync do not. `--loop` chains the calls in a while
@@ -181,7 +181,7 @@ def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> tuple[fl
     return per_call_time(lambda k: functools.partial(run, *args, k), calls_per_program(FLAGS.loop, FLAGS.inner))
 
 
-KERNELS = ("triton", "mosaic", "mosaic_shared_p", "mosaic_split_s", "mosaic_k32", "mosaic_k32_shared_p")
+KERNELS = ("triton", "mosaic", "mosaic_duplicate", "mosaic_shared", "mosaic_k32", "mosaic_k32_shared")
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
 
@@ -196,16 +196,18 @@ def kernel(
         return lambda q, c, p, m: mla_attention_split(
             q, c, p, m, SCALE, DV, config=cfg, poison=poison, interpret=FLAGS.interpret
         ), label
-    tiling = mla_mosaic.MosaicMLAConfig(block_k=32, num_stages=4) if "_k32" in name else None  # a 4-deep ring
+    softmax = name.rpartition("_")[2] if name.endswith(("_duplicate", "_shared")) else None
+    if "_k32" in name:  # a 4-deep ring of 32-slot tiles (too narrow to split S)
+        tiling = mla_mosaic.MosaicMLAConfig(block_k=32, num_stages=4, softmax=softmax or "duplicate")
+    else:
+        tiling = mla_mosaic.MosaicMLAConfig(softmax=softmax or "split")
     cfg = mla_mosaic.default_config(batch, rows, length, tiling)
-    if name.endswith("shared_p"):
-        cfg = dataclasses.replace(cfg, share_p=True)
-    if name.endswith("split_s"):
-        cfg = dataclasses.replace(cfg, split_s=True)
     if isinstance(splits, int):
         cfg = dataclasses.replace(cfg, num_splits=splits)
-    label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}" + ("shp" if cfg.share_p else "")
-    label += "spl" if cfg.split_s else ""
+    label = (
+        f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
+        + {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
+    )
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
         q, c, p, m, SCALE, DV, config=cfg, interpret=interpret

@@ -6,8 +6,7 @@
 #   5. float32 exactness at long context (sweep_context_float32)
 #   6. tree build: Pallas kernel vs plain JAX, top-k variants (bench_tree_build)   7. REPORT.md + plots
 #   on request only (STAGES=mla): the MLA kernels' key cells timed in a while loop that carries the cache, as the
-#   engine calls them (bench_mla's default -> bench_mla_carry, the record of issue 5's bars, with the split_s
-#   variant; about 8 min)
+#   engine calls them (bench_mla's default -> bench_mla_carry, the record of issue 5's bars; about 6 min)
 #
 # Results go to $OUT when set (the device tool's output folder), else experiments/results. Each stage has a
 # wall-clock cap in seconds (override through the environment) and writes its records after every cell, so a stage
@@ -55,6 +54,6 @@ want exact && stage exact "$EXACT_S" "$PY" "${SWEEP[@]}" --axis=context --contex
 want tree && stage tree "$TREE_S" "$PY" -m experiments.bench_tree_build --out_dir="$RES" --topk_vocabs=4096,163840 \
   --batches=1,32 --e2e_budgets=8,16
 want mla && stage mla "$MLA_S" "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=key \
-  --kernels=triton,mosaic,mosaic_split_s --name=bench_mla_carry
+  --kernels=triton,mosaic --name=bench_mla_carry
 "$PY" -m experiments.report --results_dir="$RES"
 echo "== total ${SECONDS}s; results in $RES"

@@ -11,14 +11,14 @@ Work layout (FlashMLA-like, simplest form):
 * Three warpgroups per CTA: a memory warpgroup streams Q `[64, 576]` once and the KV tiles `[block_k, 576]` by
   TMA into a `num_stages` SMEM ring; two compute warpgroups each own half of the 512 value columns (a `[64, 256]`
   f32 accumulator = 128 registers per thread).
-* Three ways to split the softmax work between them (`MosaicMLAConfig`):
-  - default: both warpgroups compute S = Q K^T and the masked online softmax of every tile (a third of the MMA
+* Three ways to split the S / softmax work between them (`MosaicMLAConfig.softmax`):
+  - "split" (the default): each warpgroup computes S for half of every tile's slots; they exchange row maxima and
+    P halves through SMEM, and each adds P V for its columns over the whole tile. No MMA work is repeated;
+  - "duplicate": both warpgroups compute S = Q K^T and the masked online softmax of every tile (a third of the MMA
     work is then repeated, at 576 / 512 dims) with an FA3 ping-pong schedule barrier between them;
-  - `share_p`: the tiles alternate between the warpgroups; the owner of a tile computes S and the softmax and
+  - "shared": the tiles alternate between the warpgroups; the owner of a tile computes S and the softmax and
     publishes P (bf16) and the running max / sum in SMEM; each adds P V for its columns, the owner from registers,
-    the other from SMEM at the start of its next tile;
-  - `split_s`: each warpgroup computes S for half of every tile's slots; they exchange row maxima and P halves
-    through SMEM, and each adds P V for its columns over the whole tile. No MMA work is repeated.
+    the other from SMEM at the start of its next tile.
 * Tiles wholly inside the prefix run unmasked; the last tiles (those touching the N-node block) mask by the slot
   bound and the tree mask, given per row as 32-bit words of ancestor bits (`mla_attention._tree_words`).
 * Each CTA writes a normalised bf16 partial `[64, 512]` (staged in Q's SMEM) and its f32 log-sum-exp; the XLA
@@ -51,6 +51,7 @@ SMEM_LIMIT = 232_448  # bytes of shared memory one CTA may use on an H100 / H200
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
 _ROW = plgpu.Layout.WGMMA.reduce(1)
+SOFTMAX_MODES = ("split", "duplicate", "shared")  # MosaicMLAConfig.softmax
 # Interpret mode as the hardware behaves here: TMA reads past the cache end give zeros.
 INTERPRET_PARAMS = plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
@@ -59,33 +60,33 @@ INTERPRET_PARAMS = plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized",
 class MosaicMLAConfig:
     """Tiling of the kernel. `num_splits=0` picks the split count from the problem size (`wave_splits`).
 
-    share_p: tiles alternate between the two compute warpgroups; the owner of a tile computes S = Q K^T and the
-    softmax once and passes P (bf16, SMEM) and the running max / sum to the other (`compute_shared` in `_kernel`).
-    Off (the default, faster on the H200: experiments/notes_mla.md): both warpgroups compute S for every tile
-    (`compute_duplicated`, FA3 ping-pong with `schedule_barrier`).
-    split_s: each compute warpgroup computes S and P for its half of every tile's slots, the two exchange the row
-    maxima and their P halves through SMEM, and each adds P V for its value columns with the whole P
-    (`compute_split`): no MMA work is repeated. P V then runs in two K = block_k / 2 halves, so the swizzle is 64
-    bytes for 64-slot tiles.
+    softmax: how the two compute warpgroups divide S = Q K^T and the softmax of each tile (timings:
+    experiments/notes_mla.md).
+      "split" (default): each computes S and P for its half of every tile's slots, the two exchange the row maxima
+        and their P halves through SMEM, and each adds P V for its value columns with the whole P
+        (`compute_split`): no MMA work is repeated. P V then runs in two K = block_k / 2 halves, so the swizzle is
+        64 bytes for 64-slot tiles.
+      "duplicate": both compute S for every tile (`compute_duplicated`, FA3 ping-pong with `schedule_barrier`).
+      "shared": tiles alternate between them; the owner of a tile computes S and the softmax once and passes P
+        (bf16, SMEM) and the running max / sum to the other (`compute_shared`).
     """
 
     block_k: int = 64
     num_stages: int = 2
     num_splits: int = 0
     schedule_barrier: bool = True
-    share_p: bool = False
-    split_s: bool = False
+    softmax: str = "split"
 
     def __post_init__(self):
+        if self.softmax not in SOFTMAX_MODES:
+            raise ValueError(f"softmax must be one of {SOFTMAX_MODES}: {self}")
         if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
-            raise ValueError(f"P V's K dim (block_k, halved with split_s) must be a multiple of 32: {self}")
-        if self.share_p and self.split_s:
-            raise ValueError(f"share_p and split_s are two ways of sharing the softmax; pick one: {self}")
+            raise ValueError(f"P V's K dim (block_k, halved by the split softmax) must be a multiple of 32: {self}")
 
     @property
     def pv_k(self) -> int:
-        """K dim of one P V product: the tile's slots, or half of them with split_s."""
-        return self.block_k // 2 if self.split_s else self.block_k
+        """K dim of one P V product: the tile's slots, or half of them with the split softmax."""
+        return self.block_k // 2 if self.softmax == "split" else self.block_k
 
     @property
     def swizzle(self) -> int:
@@ -139,9 +140,9 @@ def _kernel(
     GMEM: prefix_ref `[B]` int32, q_ref `[B, R, dk]`, kv_ref `[B, L, dk]`, words_ref `[B, W, R]` int32;
     outputs o_ref `[B, S, R, dv]` bf16 (normalised partials), lse_ref `[B, S, R]` f32.
     SMEM: q_o_smem = (Q `[64, dk]`, the output `[2, 64, dv / 2]` in the same memory), kv_smem
-    `[stages, block_k, dk]`, words_smem `[W, 64]`, p_smem (share_p: the last published P `[64, block_k]`;
-    split_s: the two P halves `[2, 64, block_k / 2]`) and stat_smem `[3, 64]` f32 (rows 0, 1: share_p: that P's
-    running max and sum; split_s: each warpgroup's row maximum, at the end its row sum; row 2: the output LSE).
+    `[stages, block_k, dk]`, words_smem `[W, 64]`, p_smem (shared softmax: the last published P `[64, block_k]`;
+    split: the two P halves `[2, 64, block_k / 2]`) and stat_smem `[3, 64]` f32 (rows 0, 1: shared: that P's
+    running max and sum; split: each warpgroup's row maximum, at the end its row sum; row 2: the output LSE).
     Every SMEM buffer is placed at a 1 KiB boundary, so the small ones share one.
     """
     block_k, stages = config.block_k, config.num_stages
@@ -320,7 +321,7 @@ def _kernel(
         cols = pl.ds(half * half_dv, half_dv)
         plgpu.barrier_wait(q_bar)
         words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])]
-        run = compute_shared if config.share_p else compute_split if config.split_s else compute_duplicated
+        run = {"split": compute_split, "duplicate": compute_duplicated, "shared": compute_shared}[config.softmax]
         acc, m_i, l_i = run(half, words, cols)
 
         seen = l_i > 0.0
@@ -382,8 +383,8 @@ def wave_splits(ctas: int, n_tiles: int, sms: int = 132, overhead_tiles: int = 2
 
 
 def default_config(batch: int, rows: int, max_len: int, tiling: MosaicMLAConfig | None = None) -> MosaicMLAConfig:
-    """`tiling` (default: 64-slot tiles in a 2-stage ring, S in both warpgroups) with its split count chosen by
-    `wave_splits` for this GPU's SM count; the fixed per-CTA overhead is 128 slots' worth of tiles."""
+    """`tiling` (default: 64-slot tiles in a 2-stage ring, S split between the warpgroups) with its split count
+    chosen by `wave_splits` for this GPU's SM count; the fixed per-CTA overhead is 128 slots' worth of tiles."""
     config = tiling or MosaicMLAConfig()
     ctas, tiles = batch * pl.cdiv(rows, BLOCK_R), pl.cdiv(max_len, config.block_k)
     splits = wave_splits(ctas, tiles, sm_count(), overhead_tiles=max(1, 128 // config.block_k))
@@ -447,7 +448,7 @@ def mla_attention_mosaic_split(
             plgpu.SMEM((config.num_stages, block_k, dk), latent_cache.dtype, transforms=swizzled),
             plgpu.SMEM((n_words, BLOCK_R), jnp.int32),
             plgpu.SMEM(
-                (2, BLOCK_R, block_k // 2) if config.split_s else (BLOCK_R, block_k),
+                (2, BLOCK_R, block_k // 2) if config.softmax == "split" else (BLOCK_R, block_k),
                 latent_cache.dtype,
                 transforms=swizzled,
             ),

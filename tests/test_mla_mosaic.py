@@ -55,9 +55,9 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (1, 17, 64, 8200, None),
         (3, 33, 8, 2050, None),
         (1, 1, 64, 60, None),
-        (2, 17, 8, 1000, MosaicMLAConfig(num_splits=3, schedule_barrier=False)),
-        (4, 1, 64, 4096, MosaicMLAConfig(split_s=True)),
-        (1, 17, 8, 8256, MosaicMLAConfig(num_splits=5, split_s=True)),
+        (2, 17, 8, 1000, MosaicMLAConfig(num_splits=3, softmax="duplicate", schedule_barrier=False)),
+        (4, 1, 64, 4096, MosaicMLAConfig(softmax="duplicate")),
+        (1, 17, 8, 8256, MosaicMLAConfig(num_splits=5, softmax="shared")),
     ],
 )
 def test_lowers_for_cuda(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None):
@@ -90,17 +90,27 @@ def run(q, cache, prefix, mask, config: MosaicMLAConfig | None, races: bool = Fa
     return out
 
 
-SPLIT_S = MosaicMLAConfig(num_splits=3, split_s=True)
+def test_config_checks():
+    assert MosaicMLAConfig().softmax == "split" and MosaicMLAConfig().swizzle == 64
+    assert MosaicMLAConfig(softmax="duplicate").swizzle == 128
+    with pytest.raises(ValueError, match="softmax must be one of"):
+        MosaicMLAConfig(softmax="split_s")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        MosaicMLAConfig(block_k=32)  # split S would leave P V a K dim of 16
+
+
+SPLIT = MosaicMLAConfig(num_splits=3)
+DUPLICATE = MosaicMLAConfig(num_splits=3, softmax="duplicate")
 
 
 @pytest.mark.parametrize(
     "n, config",
     [
-        (17, MosaicMLAConfig(num_splits=3)),
-        (17, MosaicMLAConfig(num_splits=3, share_p=True)),
-        (17, SPLIT_S),
-        (33, MosaicMLAConfig(num_splits=3)),
-        (33, SPLIT_S),
+        (17, SPLIT),
+        (17, DUPLICATE),
+        (17, MosaicMLAConfig(num_splits=3, softmax="shared")),
+        (33, SPLIT),
+        (33, DUPLICATE),
     ],
 )
 def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
@@ -118,7 +128,7 @@ def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
     assert rel_err(out, reference(q, cache, prefix, jnp.ones_like(mask))) > 5e-2
 
 
-@pytest.mark.parametrize("config", [MosaicMLAConfig(num_splits=2), MosaicMLAConfig(num_splits=2, split_s=True)])
+@pytest.mark.parametrize("config", [MosaicMLAConfig(num_splits=2), MosaicMLAConfig(num_splits=2, softmax="duplicate")])
 def test_ddtree_builder_masks(config: MosaicMLAConfig):
     """Budget-16 masks from the project's tree builder (a branching tree; a chain padded out to the budget)."""
     rng = np.random.default_rng(17)
@@ -135,13 +145,13 @@ def test_decode_single_node(heads: int):
     q, cache, prefix = inputs(rng, batch, 1, heads, length, [0, 5, 130, length - 1])
     mask = jnp.ones((batch, 1, 1), bool)
     ref = reference(q, cache, prefix, mask)
-    for config in (None, MosaicMLAConfig(num_splits=4), MosaicMLAConfig(num_splits=4, split_s=True)):
+    for config in (None, MosaicMLAConfig(num_splits=4), MosaicMLAConfig(num_splits=4, softmax="duplicate")):
         assert rel_err(run(q, cache, prefix, mask, config), ref) < 1e-2
 
 
 @pytest.mark.parametrize(
     "config",
-    [MosaicMLAConfig(num_splits=2, share_p=True), MosaicMLAConfig(num_splits=2), MosaicMLAConfig(split_s=True)],
+    [MosaicMLAConfig(num_splits=2, softmax=mode) for mode in ("shared", "duplicate")] + [MosaicMLAConfig()],
 )
 def test_causal_block(config: MosaicMLAConfig):
     """A causal 40-node block (two ancestor words), the three ways of splitting the softmax work."""
@@ -152,24 +162,24 @@ def test_causal_block(config: MosaicMLAConfig):
     assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
 
 
-@pytest.mark.parametrize("share_p", [False, True])
-def test_schedule_barrier_on_and_off(share_p: bool):
+@pytest.mark.parametrize("softmax", ["duplicate", "shared"])
+def test_schedule_barrier_on_and_off(softmax: str):
     """With and without the FA3 schedule barrier (used only when both warpgroups compute S); odd tile counts."""
     rng = np.random.default_rng(5)
     q, cache, prefix = inputs(rng, 2, 5, 8, 450, [201, 390])
     mask = jnp.asarray(random_parent_mask(rng, 2, 5))
     for barrier in (True, False):
-        config = MosaicMLAConfig(num_splits=2, share_p=share_p, schedule_barrier=barrier)
+        config = MosaicMLAConfig(num_splits=2, softmax=softmax, schedule_barrier=barrier)
         assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
 
 
-@pytest.mark.parametrize("share_p", [False, True])
-def test_32_slot_tiles(share_p: bool):
+@pytest.mark.parametrize("softmax", ["duplicate", "shared"])
+def test_32_slot_tiles(softmax: str):
     """32-slot KV tiles (64-byte swizzle) in a 4-deep ring: ragged prefixes, a random tree, odd tile counts."""
     rng = np.random.default_rng(13)
     q, cache, prefix = inputs(rng, 3, 9, 8, 333, [0, 47, 324])
     mask = jnp.asarray(random_parent_mask(rng, 3, 9))
-    config = MosaicMLAConfig(block_k=32, num_stages=4, num_splits=3, share_p=share_p)
+    config = MosaicMLAConfig(block_k=32, num_stages=4, num_splits=3, softmax=softmax)
     assert config.swizzle == 64 and smem_bytes(config, DK, DV) <= SMEM_LIMIT
     assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
 
