@@ -1,0 +1,61 @@
+"""One call of the Mosaic MLA kernel per (cell, softmax mode), for a hardware profiler to capture.
+
+Inputs are built on the host and copied over, so the only GPU kernels are the call's own (the query pad, the
+ancestor words, the kernel, the split merge). Run under Nsight Compute, e.g.
+
+    ncu --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        python -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64 --softmax=split,duplicate
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from ddtree_jax.errors import UserError, cli_main
+from ddtree_jax.sizing import cache_slots
+from experiments.mla_common import random_tree_mask
+from pallas_kernels import mla_mosaic
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("cells", ["8192/1/32/64"], "context/nodes/batch/heads cells")
+flags.DEFINE_list("softmax", ["split"], f"MosaicMLAConfig.softmax modes, any of {mla_mosaic.SOFTMAX_MODES}")
+
+DK, DV = 576, 512
+
+
+def parse_cell(text: str) -> tuple[int, int, int, int]:
+    """'context/nodes/batch/heads' -> four ints (a UserError naming the cell if malformed)."""
+    parts = text.split("/")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts) or not all(int(p) > 0 for p in parts[1:]):
+        raise UserError(f"--cells: {text!r} is not context/nodes/batch/heads (non-negative context, positive rest)")
+    context, nodes, batch, heads = map(int, parts)
+    return context, nodes, batch, heads
+
+
+@cli_main
+def main(argv: list[str]) -> None:
+    del argv
+    cells = [parse_cell(c) for c in FLAGS.cells]
+    if bad := [m for m in FLAGS.softmax if m not in mla_mosaic.SOFTMAX_MODES]:
+        raise UserError(f"--softmax: unknown modes {bad} (choose from {mla_mosaic.SOFTMAX_MODES})")
+    rng = np.random.default_rng(0)
+    for context, nodes, batch, heads in cells:
+        length = cache_slots(context + nodes)
+        q = jax.device_put(rng.standard_normal((batch, nodes, heads, DK), np.float32).astype(jnp.bfloat16))
+        cache = jax.device_put(rng.standard_normal((batch, length, DK), np.float32).astype(jnp.bfloat16))
+        prefix = jax.device_put(np.full((batch,), context, np.int32))
+        mask = jax.device_put(random_tree_mask(rng, batch, nodes))
+        for mode in FLAGS.softmax:
+            tiling = mla_mosaic.MosaicMLAConfig(softmax=mode)
+            config = mla_mosaic.default_config(batch, nodes * heads, length, tiling)
+            out = mla_mosaic.mla_attention_mosaic_split(
+                q, cache, prefix, mask, DK**-0.5, DV, config=config
+            ).block_until_ready()
+            logging.info("cell %d/%d/%d/%d %s %s -> %s", context, nodes, batch, heads, mode, config, out.shape)
+
+
+if __name__ == "__main__":
+    app.run(main)
