@@ -75,6 +75,11 @@ flags.DEFINE_enum(
     "sweep", "none", ["none", "mixed", "decode"], "also time a set of Triton tilings: mixed cells, or decode cells"
 )
 flags.DEFINE_list("mosaic_splits", [], "also time the Mosaic kernel at each of these split counts on every cell")
+flags.DEFINE_list(
+    "mosaic_registers",
+    [],
+    "also time the Mosaic kernel with these registers per compute-warpgroup thread (232: default)",
+)
 flags.DEFINE_integer(
     "inner", None, "time a call from programs of --inner and 2 x --inner calls (default 50, unrolled 10)", lower_bound=1
 )
@@ -186,10 +191,16 @@ Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
 
 def kernel(
-    name: str, batch: int, rows: int, length: int, splits: int | MLAConfig | None = None, poison: bool = False
+    name: str,
+    batch: int,
+    rows: int,
+    length: int,
+    splits: int | MLAConfig | mla_mosaic.MosaicMLAConfig | None = None,
+    poison: bool = False,
 ) -> tuple[Kernel, str]:
-    """The kernel `name` with its default tiling for this shape and a config label; `splits`: a Triton tiling, or a
-    Mosaic split count replacing the default one; `poison`: NaN-filled Triton partial outputs (a check)."""
+    """The kernel `name` with its default tiling for this shape and a config label; `splits`: a Triton tiling, a
+    Mosaic split count replacing the default one, or a Mosaic tiling (its split count chosen for the shape);
+    `poison`: NaN-filled Triton partial outputs (a check)."""
     if name == "triton":
         cfg = splits or default_config(batch, rows, length)
         label = f"r{cfg.block_r}k{cfg.block_k}s{cfg.num_splits}w{cfg.num_warps}st{cfg.num_stages}"
@@ -197,17 +208,18 @@ def kernel(
             q, c, p, m, SCALE, DV, config=cfg, poison=poison, interpret=FLAGS.interpret
         ), label
     softmax = name.rpartition("_")[2] if name.endswith(("_duplicate", "_shared")) else None
-    if "_k32" in name:  # a 4-deep ring of 32-slot tiles (too narrow to split S)
+    if isinstance(splits, mla_mosaic.MosaicMLAConfig):
+        tiling = splits
+    elif "_k32" in name:  # a 4-deep ring of 32-slot tiles (too narrow to split S)
         tiling = mla_mosaic.MosaicMLAConfig(block_k=32, num_stages=4, softmax=softmax or "duplicate")
     else:
         tiling = mla_mosaic.MosaicMLAConfig(softmax=softmax or "split")
     cfg = mla_mosaic.default_config(batch, rows, length, tiling)
     if isinstance(splits, int):
         cfg = dataclasses.replace(cfg, num_splits=splits)
-    label = (
-        f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
-        + {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
-    )
+    label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
+    label += {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
+    label += f"r{cfg.compute_registers}" if cfg.compute_registers != 232 else ""
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
         q, c, p, m, SCALE, DV, config=cfg, interpret=interpret
@@ -340,6 +352,8 @@ def main(argv: Sequence[str]) -> None:
     work += (
         [(cell, [("mosaic", int(s)) for s in FLAGS.mosaic_splits]) for cell in cells()] if FLAGS.mosaic_splits else []
     )
+    tilings = [mla_mosaic.MosaicMLAConfig(compute_registers=int(r)) for r in FLAGS.mosaic_registers]
+    work += [(cell, [("mosaic", t) for t in tilings]) for cell in cells()] if tilings else []
     records = []
     for cell, configs in work:
         records += bench_cell(rng, cell, ceilings, configs)

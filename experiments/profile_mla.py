@@ -3,11 +3,17 @@
 Inputs are built on the host and copied over, so the only GPU kernels are the call's own (the query pad, the
 ancestor words, the kernel, the split merge). Run under Nsight Compute, e.g.
 
-    ncu --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-        python -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64 --softmax=split,duplicate
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -k regex:mosaic --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats python -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64 \
+        --softmax=split,duplicate --compute_registers=232,240
+
+(without the preallocation flag ncu saves and restores most of the GPU's memory around every replay; without the
+kernel filter it profiles every XLA kernel too).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +28,7 @@ from pallas_kernels import mla_mosaic
 FLAGS = flags.FLAGS
 flags.DEFINE_list("cells", ["8192/1/32/64"], "context/nodes/batch/heads cells")
 flags.DEFINE_list("softmax", ["split"], f"MosaicMLAConfig.softmax modes, any of {mla_mosaic.SOFTMAX_MODES}")
+flags.DEFINE_list("compute_registers", ["232"], "MosaicMLAConfig.compute_registers values")
 
 DK, DV = 576, 512
 
@@ -48,8 +55,8 @@ def main(argv: list[str]) -> None:
         cache = jax.device_put(rng.standard_normal((batch, length, DK), np.float32).astype(jnp.bfloat16))
         prefix = jax.device_put(np.full((batch,), context, np.int32))
         mask = jax.device_put(random_tree_mask(rng, batch, nodes))
-        for mode in FLAGS.softmax:
-            tiling = mla_mosaic.MosaicMLAConfig(softmax=mode)
+        for mode, registers in itertools.product(FLAGS.softmax, FLAGS.compute_registers):
+            tiling = mla_mosaic.MosaicMLAConfig(softmax=mode, compute_registers=int(registers))
             config = mla_mosaic.default_config(batch, nodes * heads, length, tiling)
             out = mla_mosaic.mla_attention_mosaic_split(
                 q, cache, prefix, mask, DK**-0.5, DV, config=config

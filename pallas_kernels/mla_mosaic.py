@@ -76,10 +76,13 @@ class MosaicMLAConfig:
     num_splits: int = 0
     schedule_barrier: bool = True
     softmax: str = "split"
+    compute_registers: int = 232
 
     def __post_init__(self):
         if self.softmax not in SOFTMAX_MODES:
             raise ValueError(f"softmax must be one of {SOFTMAX_MODES}: {self}")
+        if self.compute_registers % 8 or not 128 <= self.compute_registers <= 240:
+            raise ValueError(f"compute_registers must be a multiple of 8 in [128, 240]: {self}")
         if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
             raise ValueError(f"P V's K dim (block_k, halved by the split softmax) must be a multiple of 32: {self}")
 
@@ -87,6 +90,12 @@ class MosaicMLAConfig:
     def pv_k(self) -> int:
         """K dim of one P V product: the tile's slots, or half of them with the split softmax."""
         return self.block_k // 2 if self.softmax == "split" else self.block_k
+
+    @property
+    def memory_registers(self) -> int:
+        """Registers per thread left to the memory warpgroup: the three warpgroups share 512 per lane (64K / 128
+        threads), at most 40 (FA3 gives its producer 24-40)."""
+        return min(40, 512 - 2 * self.compute_registers)
 
     @property
     def swizzle(self) -> int:
@@ -317,7 +326,7 @@ def _kernel(
 
     def compute(half: int):
         """Compute warpgroup `half`: output columns [half * dv / 2, (half + 1) * dv / 2)."""
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(config.compute_registers, action="increase")
         cols = pl.ds(half * half_dv, half_dv)
         plgpu.barrier_wait(q_bar)
         words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])]
@@ -343,7 +352,7 @@ def _kernel(
 
     @pl.when(wg == 2)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(config.memory_registers, action="decrease")
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_R)], q_smem, q_bar)
         plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(row0, BLOCK_R)], words_smem, q_bar)
 

@@ -58,6 +58,7 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (2, 17, 8, 1000, MosaicMLAConfig(num_splits=3, softmax="duplicate", schedule_barrier=False)),
         (4, 1, 64, 4096, MosaicMLAConfig(softmax="duplicate")),
         (1, 17, 8, 8256, MosaicMLAConfig(num_splits=5, softmax="shared")),
+        (2, 17, 64, 1000, MosaicMLAConfig(compute_registers=240)),
     ],
 )
 def test_lowers_for_cuda(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None):
@@ -95,6 +96,9 @@ def test_config_checks():
     assert MosaicMLAConfig(softmax="duplicate").swizzle == 128
     with pytest.raises(ValueError, match="softmax must be one of"):
         MosaicMLAConfig(softmax="split_s")
+    assert MosaicMLAConfig(compute_registers=240).memory_registers == 32  # 2 x 240 + 32 = 512 per lane
+    with pytest.raises(ValueError, match="compute_registers"):
+        MosaicMLAConfig(compute_registers=248)
     with pytest.raises(ValueError, match="multiple of 32"):
         MosaicMLAConfig(block_k=32)  # split S would leave P V a K dim of 16
 
