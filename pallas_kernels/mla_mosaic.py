@@ -52,6 +52,7 @@ _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 SOFTMAX_MODES = ("split", "duplicate", "shared")  # MosaicMLAConfig.softmax
+LAUNCH_REGISTERS = 168  # per thread of the 384-thread CTA (64K registers, in steps of 8), as ncu reports it
 # Interpret mode as the hardware behaves here: TMA reads past the cache end give zeros.
 INTERPRET_PARAMS = plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
@@ -93,9 +94,10 @@ class MosaicMLAConfig:
 
     @property
     def memory_registers(self) -> int:
-        """Registers per thread left to the memory warpgroup: the three warpgroups share 512 per lane (64K / 128
-        threads), at most 40 (FA3 gives its producer 24-40)."""
-        return min(40, 512 - 2 * self.compute_registers)
+        """Registers per thread left to the memory warpgroup, at most 40 (FA3 gives its producer 24-40). The CTA
+        is launched with LAUNCH_REGISTERS per thread, and `setmaxnreg` only moves registers between its warpgroups:
+        an increase past the pool waits forever (240 / 32, asking 1,024 more than the pool, hung on the H200)."""
+        return min(40, 3 * LAUNCH_REGISTERS - 2 * self.compute_registers)
 
     @property
     def swizzle(self) -> int:
