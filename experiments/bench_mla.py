@@ -226,9 +226,17 @@ def kernel(
     ), label
 
 
+def extra_mosaic_tilings() -> list[mla_mosaic.MosaicMLAConfig]:
+    """The Mosaic tilings --mosaic_registers asks for (checked and timed beside --kernels)."""
+    try:
+        return [mla_mosaic.MosaicMLAConfig(compute_registers=int(r)) for r in FLAGS.mosaic_registers]
+    except ValueError as e:
+        raise UserError(f"--mosaic_registers={','.join(FLAGS.mosaic_registers)}: {e}") from None
+
+
 def check(rng: np.random.Generator) -> list[dict[str, Any]]:
-    """GPU correctness of each --kernels entry: ragged prefixes, random trees (poisoned partials for Triton);
-    rel. err vs an f32 reference."""
+    """GPU correctness of each --kernels entry and each --mosaic_registers tiling: ragged prefixes, random trees
+    (poisoned partials for Triton); rel. err vs an f32 reference."""
     records = []
     shrink = 50 if FLAGS.interpret else 1  # interpret mode is slow: shorter contexts
     for context, n, batch, heads in [(4000, 1, 4, 64), (8100, 17, 3, 8), (300, 33, 2, 64), (50, 65, 2, 8)]:
@@ -237,8 +245,8 @@ def check(rng: np.random.Generator) -> list[dict[str, Any]]:
         prefix = jnp.asarray(rng.integers(0, context + 1, batch), jnp.int32)
         with jax.default_matmul_precision("highest"):
             ref = mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), prefix, mask, SCALE)
-        for name in FLAGS.kernels:
-            fn, label = kernel(name, batch, n * heads, cache.shape[1], poison=True)
+        for name, tiling in [(name, None) for name in FLAGS.kernels] + [("mosaic", t) for t in extra_mosaic_tilings()]:
+            fn, label = kernel(name, batch, n * heads, cache.shape[1], tiling, poison=True)
             err = rel_err(fn(q, cache, prefix, mask), ref)
             records.append(
                 {
@@ -313,6 +321,7 @@ def main(argv: Sequence[str]) -> None:
     del argv
     if unknown := sorted(set(FLAGS.kernels) - set(KERNELS)):
         raise UserError(f"--kernels: unknown {unknown}; choose from {list(KERNELS)}")
+    extra_mosaic_tilings()  # bad values fail here, before any measurement
     t0 = time.time()
     rng = np.random.default_rng(0)
     bw = copy_bandwidth(FLAGS.ceiling_size)
@@ -352,7 +361,7 @@ def main(argv: Sequence[str]) -> None:
     work += (
         [(cell, [("mosaic", int(s)) for s in FLAGS.mosaic_splits]) for cell in cells()] if FLAGS.mosaic_splits else []
     )
-    tilings = [mla_mosaic.MosaicMLAConfig(compute_registers=int(r)) for r in FLAGS.mosaic_registers]
+    tilings = extra_mosaic_tilings()
     work += [(cell, [("mosaic", t) for t in tilings]) for cell in cells()] if tilings else []
     records = []
     for cell, configs in work:

@@ -46,8 +46,13 @@ def parse_cell(text: str) -> tuple[int, int, int, int]:
 def main(argv: list[str]) -> None:
     del argv
     cells = [parse_cell(c) for c in FLAGS.cells]
-    if bad := [m for m in FLAGS.softmax if m not in mla_mosaic.SOFTMAX_MODES]:
-        raise UserError(f"--softmax: unknown modes {bad} (choose from {mla_mosaic.SOFTMAX_MODES})")
+    try:
+        tilings = [
+            mla_mosaic.MosaicMLAConfig(softmax=mode, compute_registers=int(registers))
+            for mode, registers in itertools.product(FLAGS.softmax, FLAGS.compute_registers)
+        ]
+    except ValueError as e:
+        raise UserError(f"--softmax / --compute_registers: {e}") from None
     rng = np.random.default_rng(0)
     for context, nodes, batch, heads in cells:
         length = cache_slots(context + nodes)
@@ -55,13 +60,12 @@ def main(argv: list[str]) -> None:
         cache = jax.device_put(rng.standard_normal((batch, length, DK), np.float32).astype(jnp.bfloat16))
         prefix = jax.device_put(np.full((batch,), context, np.int32))
         mask = jax.device_put(random_tree_mask(rng, batch, nodes))
-        for mode, registers in itertools.product(FLAGS.softmax, FLAGS.compute_registers):
-            tiling = mla_mosaic.MosaicMLAConfig(softmax=mode, compute_registers=int(registers))
+        for tiling in tilings:
             config = mla_mosaic.default_config(batch, nodes * heads, length, tiling)
             out = mla_mosaic.mla_attention_mosaic_split(
                 q, cache, prefix, mask, DK**-0.5, DV, config=config
             ).block_until_ready()
-            logging.info("cell %d/%d/%d/%d %s %s -> %s", context, nodes, batch, heads, mode, config, out.shape)
+            logging.info("cell %d/%d/%d/%d %s -> %s", context, nodes, batch, heads, config, out.shape)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@
 #   6. tree build: Pallas kernel vs plain JAX, top-k variants (bench_tree_build)   7. REPORT.md + plots
 #   on request only (STAGES=mla): the MLA kernels' key cells timed in a while loop that carries the cache, as the
 #   engine calls them (bench_mla's default -> bench_mla_carry, the record of issue 5's bars; about 6 min)
+#   and (STAGES=mla_profile) where its warps stall: Nsight Compute's sampled stall locations of the 64-head decode
+#   and verify calls (profiles/ncu_mla_source.txt), and the kernel with 240 registers per compute thread, checked
+#   and timed beside the default (bench_mla_registers; about 3 min)
 #
 # Results go to $OUT when set (the device tool's output folder), else experiments/results. Each stage has a
 # wall-clock cap in seconds (override through the environment) and writes its records after every cell, so a stage
@@ -23,6 +26,8 @@ EXACT_S=${EXACT_S:-120}
 BENCH_LAYERS=${BENCH_LAYERS:-4}  # the projection scales one measured MoE layer to 61; 0: as many as fit
 TREE_S=${TREE_S:-200}
 MLA_S=${MLA_S:-560}
+PROFILE_S=${PROFILE_S:-240}
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
 REPEATS=${REPEATS:-3}
 MAX_NEW=${MAX_NEW:-128}
 AXIS_BUDGETS=${AXIS_BUDGETS:-8}  # DDTree budgets on the concurrency and context axes
@@ -55,5 +60,15 @@ want tree && stage tree "$TREE_S" "$PY" -m experiments.bench_tree_build --out_di
   --batches=1,32 --e2e_budgets=8,16
 want mla && stage mla "$MLA_S" "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=key \
   --kernels=triton,mosaic --name=bench_mla_carry
+if want mla_profile; then
+  mkdir -p "$RES/profiles"
+  # No preallocation: ncu saves and restores the GPU memory XLA holds around every kernel replay.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false stage mla_ncu $((PROFILE_S / 2)) "$NCU" --log-file "$RES/profiles/ncu_mla_source.txt" \
+    -k regex:mosaic --section SourceCounters --section WarpStateStats \
+    "$PY" -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64
+  stage mla_registers $((PROFILE_S / 2)) "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
+    --contexts=8192 --nodes=1,17 --batches=8,32 --heads=64 --kernels=mosaic --mosaic_registers=240 \
+    --name=bench_mla_registers
+fi
 "$PY" -m experiments.report --results_dir="$RES"
 echo "== total ${SECONDS}s; results in $RES"

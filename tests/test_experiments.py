@@ -317,6 +317,10 @@ def test_ab_flags(tiny_pair, tmp_path):
         ("ab_flags", "--cycles=two", "--cycles"),  # a flag absl cannot parse
         ("sweep", "--repeats=", "--repeats"),
         ("bench_mla", "--kernels=mosaic_dup", "unknown"),
+        ("bench_mla", "--mosaic_registers=244", "compute_registers must be"),
+        ("bench_mla", "--mosaic_registers=many", "--mosaic_registers"),
+        ("profile_mla", "--cells=8192/1/x/64", "--cells"),
+        ("profile_mla", "--softmax=split_s", "softmax must be one of"),
         ("bench_mla_stream", "--rings=64x", "--rings"),
         ("bench_mla_stream", "--loop=yes", "--loop"),  # absl rejects it
     ],
