@@ -52,7 +52,8 @@ _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 SOFTMAX_MODES = ("split", "duplicate", "shared")  # MosaicMLAConfig.softmax
-LAUNCH_REGISTERS = 168  # per thread of the 384-thread CTA (64K registers, in steps of 8), as ncu reports it
+# Registers per thread the 384-thread CTA launches with: 64K per SM, in steps of 8 (168, as ncu reports).
+LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
 # Interpret mode as the hardware behaves here: TMA reads past the cache end give zeros.
 INTERPRET_PARAMS = plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
