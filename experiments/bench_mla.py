@@ -51,6 +51,7 @@ from experiments.mla_common import (  # noqa: E402
     cost,
     looped,
     matmul_rate,
+    parse_tiling,
     per_call_time,
     random_tree_mask,
     rel_err,
@@ -75,10 +76,11 @@ flags.DEFINE_enum(
     "sweep", "none", ["none", "mixed", "decode"], "also time a set of Triton tilings: mixed cells, or decode cells"
 )
 flags.DEFINE_list("mosaic_splits", [], "also time the Mosaic kernel at each of these split counts on every cell")
-flags.DEFINE_list(
-    "mosaic_registers",
+flags.DEFINE_multi_string(
+    "mosaic_tiling",
     [],
-    "also time the Mosaic kernel with these registers per compute-warpgroup thread (232: default)",
+    "also check and time the Mosaic kernel with these MosaicMLAConfig fields (repeatable), e.g. "
+    "compute_registers=240 or swap_fence=false,softmax=split",
 )
 flags.DEFINE_integer(
     "inner", None, "time a call from programs of --inner and 2 x --inner calls (default 50, unrolled 10)", lower_bound=1
@@ -220,6 +222,7 @@ def kernel(
     label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
     label += {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
     label += f"r{cfg.compute_registers}" if cfg.compute_registers != 232 else ""
+    label += "" if cfg.swap_fence else "nf"
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
         q, c, p, m, SCALE, DV, config=cfg, interpret=interpret
@@ -227,15 +230,12 @@ def kernel(
 
 
 def extra_mosaic_tilings() -> list[mla_mosaic.MosaicMLAConfig]:
-    """The Mosaic tilings --mosaic_registers asks for (checked and timed beside --kernels)."""
-    try:
-        return [mla_mosaic.MosaicMLAConfig(compute_registers=int(r)) for r in FLAGS.mosaic_registers]
-    except ValueError as e:
-        raise UserError(f"--mosaic_registers={','.join(FLAGS.mosaic_registers)}: {e}") from None
+    """The Mosaic tilings --mosaic_tiling asks for (checked and timed beside --kernels)."""
+    return [parse_tiling(text) for text in FLAGS.mosaic_tiling]
 
 
 def check(rng: np.random.Generator) -> list[dict[str, Any]]:
-    """GPU correctness of each --kernels entry and each --mosaic_registers tiling: ragged prefixes, random trees
+    """GPU correctness of each --kernels entry and each --mosaic_tiling: ragged prefixes, random trees
     (poisoned partials for Triton); rel. err vs an f32 reference."""
     records = []
     shrink = 50 if FLAGS.interpret else 1  # interpret mode is slow: shorter contexts

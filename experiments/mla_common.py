@@ -1,8 +1,10 @@
-"""Shared by the MLA kernel benchmarks (`bench_mla`, `bench_mla_stream`, `check_mla_mosaic`): shapes, inputs,
-accounting, ceilings, the timed-loop builder and the cache-streaming kernel. No flags, so tests can import it."""
+"""Shared by the MLA kernel benchmarks (`bench_mla`, `bench_mla_stream`, `check_mla_mosaic`, `profile_mla`):
+shapes, inputs, accounting, ceilings, the timed-loop builder, the cache-streaming kernel and the Mosaic tiling
+parser. No flags, so tests can import it."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -16,9 +18,33 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ddtree_jax.errors import UserError
 from experiments import common
+from pallas_kernels.mla_mosaic import MosaicMLAConfig
 
 DK, DV, SCALE = 576, 512, 0.1446796  # K2.6 latent + rope dims, value dims, softmax scale
+
+
+def parse_tiling(text: str) -> MosaicMLAConfig:
+    """'field=value,...' -> the default MosaicMLAConfig with those fields replaced ('' -> the default); a
+    UserError naming the problem for an unknown field, a value of the wrong type or an impossible tiling."""
+    fields = {f.name: f for f in dataclasses.fields(MosaicMLAConfig)}
+    changes: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or name not in fields:
+            raise UserError(f"tiling {text!r}: {item!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
+        kind = type(getattr(MosaicMLAConfig(), name))
+        if kind is bool and value.lower() not in ("true", "false"):
+            raise UserError(f"tiling {text!r}: {name} takes true or false, not {value!r}")
+        try:
+            changes[name] = value.lower() == "true" if kind is bool else kind(value)
+        except ValueError:
+            raise UserError(f"tiling {text!r}: {name} takes an {kind.__name__}, not {value!r}") from None
+    try:
+        return dataclasses.replace(MosaicMLAConfig(), **changes)
+    except ValueError as e:
+        raise UserError(f"tiling {text!r}: {e}") from None
 
 
 def random_tree_mask(rng: np.random.Generator, batch: int, n: int) -> np.ndarray:

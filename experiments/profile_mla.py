@@ -1,19 +1,16 @@
-"""One call of the Mosaic MLA kernel per (cell, softmax mode), for a hardware profiler to capture.
+"""One call of the Mosaic MLA kernel per (cell, tiling), for a hardware profiler to capture.
 
 Inputs are built on the host and copied over, so the only GPU kernels are the call's own (the query pad, the
 ancestor words, the kernel, the split merge). Run under Nsight Compute, e.g.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -k regex:mosaic --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats python -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64 \
-        --softmax=split,duplicate --compute_registers=232,240
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -k regex:mosaic --section SpeedOfLight --section WarpStateStats \\
+        python -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64 --tiling= --tiling=softmax=duplicate
 
 (without the preallocation flag ncu saves and restores most of the GPU's memory around every replay; without the
 kernel filter it profiles every XLA kernel too).
 """
 
 from __future__ import annotations
-
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -22,15 +19,16 @@ from absl import app, flags, logging
 
 from ddtree_jax.errors import UserError, cli_main
 from ddtree_jax.sizing import cache_slots
-from experiments.mla_common import random_tree_mask
+from experiments.mla_common import DK, DV, SCALE, parse_tiling, random_tree_mask
 from pallas_kernels import mla_mosaic
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("cells", ["8192/1/32/64"], "context/nodes/batch/heads cells")
-flags.DEFINE_list("softmax", ["split"], f"MosaicMLAConfig.softmax modes, any of {mla_mosaic.SOFTMAX_MODES}")
-flags.DEFINE_list("compute_registers", ["232"], "MosaicMLAConfig.compute_registers values")
-
-DK, DV = 576, 512
+flags.DEFINE_multi_string(
+    "tiling",
+    [""],
+    "MosaicMLAConfig fields per profiled variant (repeatable; '' is the default), e.g. softmax=duplicate",
+)
 
 
 def parse_cell(text: str) -> tuple[int, int, int, int]:
@@ -46,13 +44,7 @@ def parse_cell(text: str) -> tuple[int, int, int, int]:
 def main(argv: list[str]) -> None:
     del argv
     cells = [parse_cell(c) for c in FLAGS.cells]
-    try:
-        tilings = [
-            mla_mosaic.MosaicMLAConfig(softmax=mode, compute_registers=int(registers))
-            for mode, registers in itertools.product(FLAGS.softmax, FLAGS.compute_registers)
-        ]
-    except ValueError as e:
-        raise UserError(f"--softmax / --compute_registers: {e}") from None
+    tilings = [parse_tiling(t) for t in FLAGS.tiling]
     rng = np.random.default_rng(0)
     for context, nodes, batch, heads in cells:
         length = cache_slots(context + nodes)
@@ -63,7 +55,7 @@ def main(argv: list[str]) -> None:
         for tiling in tilings:
             config = mla_mosaic.default_config(batch, nodes * heads, length, tiling)
             out = mla_mosaic.mla_attention_mosaic_split(
-                q, cache, prefix, mask, DK**-0.5, DV, config=config
+                q, cache, prefix, mask, SCALE, DV, config=config
             ).block_until_ready()
             logging.info("cell %d/%d/%d/%d %s -> %s", context, nodes, batch, heads, config, out.shape)
 

@@ -9,7 +9,7 @@
 #   engine calls them (bench_mla's default -> bench_mla_carry, the record of issue 5's bars; about 6 min)
 #   and (STAGES=mla_profile) where its warps stall: Nsight Compute's sampled stall locations of the 64-head decode
 #   and verify calls (profiles/ncu_mla_source.txt), and the kernel with 240 registers per compute thread, checked
-#   and timed beside the default (bench_mla_registers; about 3 min)
+#   and timed beside the default, and without the max swap's fence (bench_mla_tilings; about 3 min)
 #
 # Results go to $OUT when set (the device tool's output folder), else experiments/results. Each stage has a
 # wall-clock cap in seconds (override through the environment) and writes its records after every cell, so a stage
@@ -66,9 +66,9 @@ if want mla_profile; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false stage mla_ncu $((PROFILE_S / 2)) "$NCU" --log-file "$RES/profiles/ncu_mla_source.txt" \
     -k regex:mosaic --section SourceCounters --section WarpStateStats \
     "$PY" -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64
-  stage mla_registers $((PROFILE_S / 2)) "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
-    --contexts=8192 --nodes=1,17 --batches=8,32 --heads=64 --kernels=mosaic --mosaic_registers=240 \
-    --name=bench_mla_registers
+  stage mla_tilings $((PROFILE_S / 2)) "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
+    --contexts=8192 --nodes=1,17 --batches=8,32 --heads=64 --kernels=mosaic \
+    --mosaic_tiling=compute_registers=240 --mosaic_tiling=swap_fence=false --name=bench_mla_tilings
 fi
 "$PY" -m experiments.report --results_dir="$RES"
 echo "== total ${SECONDS}s; results in $RES"

@@ -71,6 +71,10 @@ class MosaicMLAConfig:
       "duplicate": both compute S for every tile (`compute_duplicated`, FA3 ping-pong with `schedule_barrier`).
       "shared": tiles alternate between them; the owner of a tile computes S and the softmax once and passes P
         (bf16, SMEM) and the running max / sum to the other (`compute_shared`).
+    swap_fence: the split softmax's row-maximum swap runs `commit_smem` (an async-proxy fence and a warpgroup
+      barrier) before the meeting. The maxima are read by ordinary loads after every thread's release-arrive on the
+      meeting barrier, so the fence is not needed; False drops it (one fence and barrier less per tile; untimed).
+    compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
     """
 
     block_k: int = 64
@@ -78,6 +82,7 @@ class MosaicMLAConfig:
     num_splits: int = 0
     schedule_barrier: bool = True
     softmax: str = "split"
+    swap_fence: bool = True
     compute_registers: int = 232
 
     def __post_init__(self):
@@ -297,7 +302,8 @@ def _kernel(
         def swap(row_value):
             """Publish this warpgroup's `[64]` f32 row value and return the other's."""
             stat_smem.at[half][...] = row_value
-            plgpu.commit_smem()
+            if config.swap_fence:
+                plgpu.commit_smem()
             schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
             return plgpu.load(stat_smem.at[1 - half], layout=_ROW)
 

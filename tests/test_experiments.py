@@ -317,10 +317,12 @@ def test_ab_flags(tiny_pair, tmp_path):
         ("ab_flags", "--cycles=two", "--cycles"),  # a flag absl cannot parse
         ("sweep", "--repeats=", "--repeats"),
         ("bench_mla", "--kernels=mosaic_dup", "unknown"),
-        ("bench_mla", "--mosaic_registers=244", "compute_registers must be"),
-        ("bench_mla", "--mosaic_registers=many", "--mosaic_registers"),
+        ("bench_mla", "--mosaic_tiling=compute_registers=244", "compute_registers must be"),
+        ("bench_mla", "--mosaic_tiling=compute_registers=many", "takes an int"),
+        ("bench_mla", "--mosaic_tiling=swap_fence=no", "true or false"),
+        ("bench_mla", "--mosaic_tiling=registers=240", "FIELD=VALUE"),
         ("profile_mla", "--cells=8192/1/x/64", "--cells"),
-        ("profile_mla", "--softmax=split_s", "softmax must be one of"),
+        ("profile_mla", "--tiling=softmax=split_s", "softmax must be one of"),
         ("bench_mla_stream", "--rings=64x", "--rings"),
         ("bench_mla_stream", "--loop=yes", "--loop"),  # absl rejects it
     ],
@@ -449,3 +451,17 @@ def test_bench_mla_stream_lowers_and_splits_whole_waves():
     assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     cases = {(8, 128, 132): 16, (32, 128, 132): 4, (8, 512, 264): 32, (200, 64, 132): 1, (3, 7, 132): 7, (5, 6, 20): 3}
     assert {case: whole_wave_splits(*case) for case in cases} == cases
+
+
+def test_parse_tiling():
+    """--mosaic_tiling / --tiling text -> a MosaicMLAConfig; bad fields and values are user errors."""
+    from ddtree_jax.errors import UserError
+    from experiments.mla_common import parse_tiling
+    from pallas_kernels.mla_mosaic import MosaicMLAConfig
+
+    assert parse_tiling("") == MosaicMLAConfig()
+    got = parse_tiling("compute_registers=240,swap_fence=False,softmax=duplicate,num_splits=3")
+    assert got == MosaicMLAConfig(compute_registers=240, swap_fence=False, softmax="duplicate", num_splits=3)
+    for bad in ("block_k", "block_k=x", "swap_fence=1", "softmax=both", "nope=3"):
+        with pytest.raises(UserError, match="tiling"):
+            parse_tiling(bad)

@@ -115,13 +115,15 @@ DUPLICATE = MosaicMLAConfig(num_splits=3, softmax="duplicate")
         (17, SPLIT),
         (17, DUPLICATE),
         (17, MosaicMLAConfig(num_splits=3, softmax="shared")),
+        (17, MosaicMLAConfig(num_splits=3, swap_fence=False)),
         (33, SPLIT),
         (33, DUPLICATE),
     ],
 )
 def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
     """Ragged prefixes (0, mid-tile, cache end), 2-3 row blocks, 3 splits; N = 33 needs two ancestor words.
-    Race detection on at N = 17."""
+    Race detection on at N = 17 (it reports one if the split softmax's max swap skips its meeting; with
+    swap_fence=False it must not)."""
     rng = np.random.default_rng(n)
     batch, heads, length = 3, 4, 203
     q, cache, prefix = inputs(rng, batch, n, heads, length, [0, 70, length - n])
