@@ -188,6 +188,7 @@ def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> tuple[fl
     return per_call_time(lambda k: functools.partial(run, *args, k), calls_per_program(FLAGS.loop, FLAGS.inner))
 
 
+DEFAULT_TILING = mla_mosaic.MosaicMLAConfig()
 KERNELS = ("triton", "mosaic", "mosaic_duplicate", "mosaic_shared", "mosaic_k32", "mosaic_k32_shared")
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
@@ -221,7 +222,7 @@ def kernel(
         cfg = dataclasses.replace(cfg, num_splits=splits)
     label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
     label += {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
-    label += f"r{cfg.compute_registers}" if cfg.compute_registers != 232 else ""
+    label += f"r{cfg.compute_registers}" if cfg.compute_registers != DEFAULT_TILING.compute_registers else ""
     label += "" if cfg.swap_fence else "nf"
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
@@ -229,14 +230,11 @@ def kernel(
     ), label
 
 
-def extra_mosaic_tilings() -> list[mla_mosaic.MosaicMLAConfig]:
-    """The Mosaic tilings --mosaic_tiling asks for (checked and timed beside --kernels)."""
-    return [parse_tiling(text) for text in FLAGS.mosaic_tiling]
-
-
-def check(rng: np.random.Generator) -> list[dict[str, Any]]:
-    """GPU correctness of each --kernels entry and each --mosaic_tiling: ragged prefixes, random trees
-    (poisoned partials for Triton); rel. err vs an f32 reference."""
+def check(
+    rng: np.random.Generator, kernels: list[tuple[str, mla_mosaic.MosaicMLAConfig | None]]
+) -> list[dict[str, Any]]:
+    """GPU correctness of each (kernel name, Mosaic tiling or None) entry: ragged prefixes, random trees (poisoned
+    partials for Triton); rel. err vs an f32 reference."""
     records = []
     shrink = 50 if FLAGS.interpret else 1  # interpret mode is slow: shorter contexts
     for context, n, batch, heads in [(4000, 1, 4, 64), (8100, 17, 3, 8), (300, 33, 2, 64), (50, 65, 2, 8)]:
@@ -245,7 +243,7 @@ def check(rng: np.random.Generator) -> list[dict[str, Any]]:
         prefix = jnp.asarray(rng.integers(0, context + 1, batch), jnp.int32)
         with jax.default_matmul_precision("highest"):
             ref = mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), prefix, mask, SCALE)
-        for name, tiling in [(name, None) for name in FLAGS.kernels] + [("mosaic", t) for t in extra_mosaic_tilings()]:
+        for name, tiling in kernels:
             fn, label = kernel(name, batch, n * heads, cache.shape[1], tiling, poison=True)
             err = rel_err(fn(q, cache, prefix, mask), ref)
             records.append(
@@ -321,14 +319,14 @@ def main(argv: Sequence[str]) -> None:
     del argv
     if unknown := sorted(set(FLAGS.kernels) - set(KERNELS)):
         raise UserError(f"--kernels: unknown {unknown}; choose from {list(KERNELS)}")
-    extra_mosaic_tilings()  # bad values fail here, before any measurement
+    tilings = [("mosaic", parse_tiling(text)) for text in FLAGS.mosaic_tiling]  # bad values fail before measuring
     t0 = time.time()
     rng = np.random.default_rng(0)
     bw = copy_bandwidth(FLAGS.ceiling_size)
     mm = matmul_rate(FLAGS.ceiling_size)
     ceilings = {"bw": bw.get("torch_copy_tbps", bw["xla_add_tbps"]) * 1e12, "mm": mm}
     logging.info("ceilings: %s, matmul %.1f TFLOP/s", bw, mm / 1e12)
-    checks = check(rng) if FLAGS.check else []
+    checks = check(rng, [(name, None) for name in FLAGS.kernels] + tilings) if FLAGS.check else []
     columns = [
         "context",
         "nodes",
@@ -361,8 +359,7 @@ def main(argv: Sequence[str]) -> None:
     work += (
         [(cell, [("mosaic", int(s)) for s in FLAGS.mosaic_splits]) for cell in cells()] if FLAGS.mosaic_splits else []
     )
-    tilings = extra_mosaic_tilings()
-    work += [(cell, [("mosaic", t) for t in tilings]) for cell in cells()] if tilings else []
+    work += [(cell, tilings) for cell in cells()] if tilings else []
     records = []
     for cell, configs in work:
         records += bench_cell(rng, cell, ceilings, configs)
