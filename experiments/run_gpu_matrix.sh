@@ -12,13 +12,15 @@
 #   and the kernel with 240 registers per compute thread and without the max swap's fence, checked and timed
 #   beside the default (bench_mla_tilings; at most 7 min)
 #
-# Results go to $OUT when set (the device tool's output folder), else experiments/results. Each stage has a
-# wall-clock cap in seconds (override through the environment) and writes its records after every cell, so a stage
+# Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
+# Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after every cell, so a stage
 # cut short keeps what it measured. Shrink further with e.g. SWEEP_S=120 BENCH_S=120 REPEATS=2 MAX_NEW=64.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-RES=${OUT:-experiments/results}
+# The device tool returns at most 8 files from $OUT: with OUT set, the stages write to a scratch folder and what
+# they wrote (records, profiles, REPORT.md) comes back packed as $OUT/results.tgz, also when a stage is cut short.
+if [ -n "${OUT:-}" ]; then RES=$(mktemp -d); else RES=experiments/results; fi
 SWEEP_S=${SWEEP_S:-150}
 BREAKDOWN_S=${BREAKDOWN_S:-60}
 BENCH_S=${BENCH_S:-150}
@@ -35,7 +37,11 @@ AXIS_BUDGETS=${AXIS_BUDGETS:-8}  # DDTree budgets on the concurrency and context
 export DDTREE_COMMIT=${DDTREE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export TF_CPP_MIN_LOG_LEVEL=1
 mkdir -p "$RES"
-if [ "$RES" != experiments/results ]; then cp experiments/results/bench_m*.{json,md} "$RES"/ 2>/dev/null; fi
+if [ -n "${OUT:-}" ]; then
+  cp experiments/results/*.{json,md} "$RES"/ 2>/dev/null  # earlier records, for the report
+  touch "$RES/.start"
+  trap '(cd "$RES" && find . -type f -newer .start | tar czf "$OUT/results.tgz" -T -)' EXIT
+fi
 "$PY" -c 'import jax; print(jax.devices())'
 SECONDS=0
 stage() {  # stage NAME CAP_S COMMAND...: run with a wall-clock cap, report how it ended
