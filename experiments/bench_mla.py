@@ -80,7 +80,7 @@ flags.DEFINE_multi_string(
     "mosaic_tiling",
     [],
     "also check and time the Mosaic kernel with these MosaicMLAConfig fields (repeatable), e.g. "
-    "compute_registers=240 or swap_fence=false,softmax=split",
+    "compute_registers=240 or overlap=true,swap_fence=true",
 )
 flags.DEFINE_integer(
     "inner", None, "time a call from programs of --inner and 2 x --inner calls (default 50, unrolled 10)", lower_bound=1
@@ -223,7 +223,8 @@ def kernel(
     label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
     label += {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
     label += f"r{cfg.compute_registers}" if cfg.compute_registers != DEFAULT_TILING.compute_registers else ""
-    label += "" if cfg.swap_fence else "nf"
+    label += "" if cfg.swap_fence == DEFAULT_TILING.swap_fence else ("fence" if cfg.swap_fence else "nf")
+    label += "ov" if cfg.overlap else ""
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
         q, c, p, m, SCALE, DV, config=cfg, interpret=interpret

@@ -71,9 +71,11 @@ class MosaicMLAConfig:
       "duplicate": both compute S for every tile (`compute_duplicated`, FA3 ping-pong with `schedule_barrier`).
       "shared": tiles alternate between them; the owner of a tile computes S and the softmax once and passes P
         (bf16, SMEM) and the running max / sum to the other (`compute_shared`).
-    swap_fence: the split softmax's row-maximum swap runs `commit_smem` (an async-proxy fence and a warpgroup
-      barrier) before the meeting. The maxima are read by ordinary loads after every thread's release-arrive on the
-      meeting barrier, so the fence is not needed; False drops it (one fence and barrier less per tile; untimed).
+    swap_fence: True runs `commit_smem` (an async-proxy fence and a warpgroup barrier) before the split softmax's
+      row-maximum swap. The maxima are read by ordinary loads after every thread's release-arrive on the meeting
+      barrier, so the fence is not needed: off by default (1-8 % faster, bench_mla_tilings_verify).
+    overlap: software-pipeline the split softmax's tiles (`compute_split`): each step's own-half P V runs on the
+      tensor cores under the next tile's softmax, and S of the next tile is issued beside the other half's P V.
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
     """
 
@@ -82,14 +84,17 @@ class MosaicMLAConfig:
     num_splits: int = 0
     schedule_barrier: bool = True
     softmax: str = "split"
-    swap_fence: bool = True
+    swap_fence: bool = False
     compute_registers: int = 232
+    overlap: bool = False
 
     def __post_init__(self):
         if self.softmax not in SOFTMAX_MODES:
             raise ValueError(f"softmax must be one of {SOFTMAX_MODES}: {self}")
         if self.compute_registers % 8 or not 128 <= self.compute_registers <= 240:
             raise ValueError(f"compute_registers must be a multiple of 8 in [128, 240]: {self}")
+        if self.overlap and self.softmax != "split":
+            raise ValueError(f"overlap pipelines the split softmax only: {self}")
         if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
             raise ValueError(f"P V's K dim (block_k, halved by the split softmax) must be a multiple of 32: {self}")
 
@@ -198,8 +203,10 @@ def _kernel(
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((BLOCK_R, width), jnp.float32)) * qk_scale
-        if not masked:
-            return s
+        return mask_scores(t, s, words, first) if masked else s
+
+    def mask_scores(t, s, words, first: int):
+        """S `[64, width]` of slots [first, first + width) of tile t with the invisible slots at -inf."""
         slot_ids = t * block_k + first + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         rel = slot_ids - prefix
         word_idx = lax.shift_right_arithmetic(rel, 5)
@@ -295,7 +302,7 @@ def _kernel(
         """Warpgroup `half` computes S and P for slots [half * block_k / 2, (half + 1) * block_k / 2) of every tile;
         the two exchange their row maxima (stat_smem rows 0, 1) and P halves (p_smem) at two meetings on sched_bar
         (`schedule`) per tile, and each adds P V for its columns: its own P half from registers, the other's from
-        SMEM. The row sums stay per half until the end."""
+        SMEM. The row sums stay per half until the end. config.overlap: `overlapped` runs the tiles instead."""
         hk = block_k // 2
         own, other = pl.ds(half * hk, hk), pl.ds((1 - half) * hk, hk)
 
@@ -307,19 +314,25 @@ def _kernel(
             schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
             return plgpu.load(stat_smem.at[1 - half], layout=_ROW)
 
-        def tile(t, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(t - t_lo, stages)
-            s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
+        def softmax(s, m_i, l_i):
+            """This warpgroup's S half of a tile -> (running max, running sum, rescale alpha, P half in bf16), P
+            published in p_smem[half]. The other warpgroup's reads of that buffer must be complete."""
             m_own = jnp.maximum(m_i, s.max(axis=1))
             m_new = jnp.maximum(m_own, swap(m_own))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - row_bcast(m_new, s))
-            l_i = l_i * alpha + p.sum(axis=1)
             p16 = p.astype(kv_smem.dtype)
-            p_smem.at[half][...] = p16  # the other warpgroup's last P V, which read this buffer, has completed
+            p_smem.at[half][...] = p16
             plgpu.commit_smem()
             schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
+            return m_new, l_i * alpha + p.sum(axis=1), alpha, p16
+
+        def tile(t, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(t - t_lo, stages)
+            s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
+            # The other warpgroup's last P V, which read p_smem[half], completed before its meeting in `swap`.
+            m_new, l_i, alpha, p16 = softmax(s, m_i, l_i)
 
             def body(acc_ref):
                 plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
@@ -329,8 +342,57 @@ def _kernel(
             plgpu.barrier_arrive(free_bars.at[slot])
             return acc, m_new, l_i
 
-        carry = lax.fori_loop(t_lo, t_full, functools.partial(tile, masked=False), init_carry())
-        acc, m_i, l_i = lax.fori_loop(t_full, t_hi, functools.partial(tile, masked=True), carry)
+        def overlapped():
+            """The tiles software-pipelined: step t issues P_t V_t for the other warpgroup's P half (SMEM), S of
+            tile t + 1, then P_t V_t for its own half (registers), and waits only for the first two (wgmma groups
+            complete in order) before the softmax of tile t + 1; the own-half P V runs on under it. The other's
+            P buffer is free again at the max swap, since both warpgroups have read it by then."""
+
+            def first_tile(t, carry):
+                acc, m_i, l_i, _, _ = carry
+                s = scores(t, 0, words, masked=True, ping_pong=False, first=half * hk, width=hk)
+                return (acc, *softmax(s, m_i, l_i))
+
+            def step(t, carry, next_masked: bool | None):
+                """P V of tile t, and S and the softmax of tile t + 1 unless next_masked is None (the last)."""
+                acc, m_i, l_i, alpha, p16 = carry
+                slot = lax.rem(t - t_lo, stages)
+
+                def body(acc_ref, s_ref):
+                    acc_ref[...] = acc * row_bcast(alpha, acc)
+                    plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
+                    if next_masked is None:
+                        plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
+                        return acc_ref[...], m_i, l_i, alpha, p16
+                    nxt = lax.rem(t + 1 - t_lo, stages)
+                    plgpu.barrier_wait(kv_bars.at[nxt])
+                    plgpu.wgmma(s_ref, q_smem, kv_smem.at[nxt, own].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * qk_scale
+                    s = mask_scores(t + 1, s, words, half * hk) if next_masked else s
+                    stats = softmax(s, m_i, l_i)
+                    return acc_ref[...], *stats
+
+                out = pl.run_scoped(
+                    body, plgpu.ACC((BLOCK_R, half_dv), jnp.float32), plgpu.ACC((BLOCK_R, hk), jnp.float32)
+                )
+                plgpu.barrier_arrive(free_bars.at[slot])
+                return out
+
+            p0 = plgpu.layout_cast(jnp.zeros((BLOCK_R, hk), kv_smem.dtype), plgpu.Layout.WGMMA)
+            carry = (*init_carry(), plgpu.layout_cast(jnp.ones((BLOCK_R,), jnp.float32), _ROW), p0)
+            carry = lax.fori_loop(t_lo, jnp.minimum(t_lo + 1, t_hi), first_tile, carry)
+            mid = jnp.maximum(t_lo, t_full - 1)  # steps before mid have their next tile wholly inside the prefix
+            carry = lax.fori_loop(t_lo, mid, functools.partial(step, next_masked=False), carry)
+            carry = lax.fori_loop(mid, t_hi - 1, functools.partial(step, next_masked=True), carry)
+            carry = lax.fori_loop(jnp.maximum(t_hi - 1, t_lo), t_hi, functools.partial(step, next_masked=None), carry)
+            return carry[:3]
+
+        if config.overlap:
+            acc, m_i, l_i = overlapped()
+        else:
+            carry = lax.fori_loop(t_lo, t_full, functools.partial(tile, masked=False), init_carry())
+            acc, m_i, l_i = lax.fori_loop(t_full, t_hi, functools.partial(tile, masked=True), carry)
         return acc, m_i, l_i + swap(l_i)
 
     def compute(half: int):

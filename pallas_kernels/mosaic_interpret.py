@@ -1,12 +1,14 @@
 """Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`) for the MLA kernel on jax 0.11.2.
 
-jax 0.11.2's GPU interpreter lacks two things `mla_mosaic.py` (like the shipped `attention_mgpu`) uses:
+jax 0.11.2's GPU interpreter lacks three things `mla_mosaic.py` (like the shipped `attention_mgpu`) uses:
 `pl.run_state` with a wgmma accumulator (it binds the primitive raw, which then fails with "Cannot lower jaxpr with
-effects: _WGMMAPipelineEffect, IOEffect") and wgmma with a register LHS (it reads every operand from simulated
-SMEM). `install()` adds both to the interpreter class, with the documented semantics (the accumulator starts at the
-init value, wgmma adds a @ b, run_state returns the final values); everything else still runs the interpreter's own
-code. Installed once per process, on the first interpret-mode call of the Mosaic MLA kernel (logged). Interpret
-mode only: nothing here runs on a GPU.
+effects: _WGMMAPipelineEffect, IOEffect"), wgmma with a register LHS (it reads every operand from simulated SMEM)
+and writes to an accumulator (`acc_ref[...] = value`). `install()` adds the three to the interpreter class, with the
+documented semantics (the accumulator starts at the init value or the written one, wgmma adds a @ b, run_state
+returns the final values); everything else still runs the interpreter's own code. Waits are synchronous there:
+every wgmma has completed when it returns, whatever `wait_n` a read of its accumulator gives. Installed once per
+process, on the first interpret-mode call of the Mosaic MLA kernel (logged). Interpret mode only: nothing here runs
+on a GPU.
 """
 
 from __future__ import annotations
@@ -77,6 +79,36 @@ def _interpret_wgmma(orig, self, eqn, token, get_invals):
     return token, []
 
 
+@gpu_callbacks.fail_on_exception
+def _store_accumulator(*, token, mesh_location, thread, acc_key, value, source_info):
+    """Write `value` into a wgmma accumulator's buffer. Accumulators are a warpgroup's registers, so (as for the
+    interpreter's own wgmma writes to them) no race is recorded: the buffer is reused by every CTA of the grid,
+    and the race detector would otherwise pair identical clocks of two CTAs."""
+    acc_key = memory.HostAllocationKey.from_array(acc_key)
+    shared = gpu_callbacks._get_shared_memory()
+    info = memory.GPULoggingInfo(mesh_location, thread, source_info)
+    shared.store_buffer_content(acc_key, shared.access(acc_key, ()), np.asarray(value), thread, logging_info=info)
+    return token
+
+
+def _interpret_swap(orig, self, eqn, token, get_invals):
+    """A swap into a wgmma accumulator (`_store_as_swap`) writes its buffer without race records and returns the
+    written value in place of the old one (the rewrite drops it)."""
+    if not isinstance(eqn.invars[0].aval, mgpu_core.WGMMAAbstractAccumulatorRef):
+        return orig(self, eqn, token, get_invals)
+    acc, value, *_ = get_invals()
+    token = callback.io_callback(
+        functools.partial(_store_accumulator, source_info=eqn.source_info),
+        gpu_callbacks.TOKEN_SHAPE_DTYPE,
+        token=token,
+        mesh_location=self.mesh_location,
+        thread=self.thread,
+        acc_key=acc,
+        value=value,
+    )
+    return token, value
+
+
 def is_ref(x: jax_core.Atom) -> bool:
     return isinstance(x.aval, state_types.AbstractRef)
 
@@ -115,8 +147,25 @@ def _run_state_as_scoped(eqn: jax_core.JaxprEqn) -> jax_core.Jaxpr:
     return jaxpr
 
 
-def _inline_run_state(jaxpr: jax_core.Jaxpr) -> jax_core.Jaxpr:
-    """`jaxpr` with each top-level `run_state` eqn replaced by the eqns of `_run_state_as_scoped`."""
+def _store_as_swap(eqn: jax_core.JaxprEqn) -> jax_core.Jaxpr:
+    """A jaxpr writing an accumulator (`acc_ref[...] = value`, `wgmma_accumulator_store_p`) as a plain ref swap,
+    which the interpreter runs on the accumulator's simulated buffer; its output is the old value (unused)."""
+    avals = [v.aval for v in eqn.invars]
+    fn = lambda ref, value: state_primitives.ref_swap(ref, (), value)
+    debug = api_util.debug_info("accumulator_store", fn, tuple(avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(lambda *a: [fn(*a)], debug_info=debug), avals)
+    assert not consts
+    return jaxpr
+
+
+_REWRITES = {
+    state_discharge.run_state_p: _run_state_as_scoped,
+    mgpu_primitives.wgmma_accumulator_store_p: _store_as_swap,
+}
+
+
+def _inline_rewrites(jaxpr: jax_core.Jaxpr) -> jax_core.Jaxpr:
+    """`jaxpr` with each top-level eqn of a `_REWRITES` primitive replaced by the eqns of its rewrite."""
     eqns, alias = [], {}
 
     def sub(x):
@@ -124,16 +173,20 @@ def _inline_run_state(jaxpr: jax_core.Jaxpr) -> jax_core.Jaxpr:
 
     for eqn in jaxpr.eqns:
         eqn = eqn.replace(invars=[sub(x) for x in eqn.invars])
-        if eqn.primitive is not state_discharge.run_state_p:
+        if eqn.primitive not in _REWRITES:
             eqns.append(eqn)
             continue
-        repl = _run_state_as_scoped(eqn)
+        repl = _REWRITES[eqn.primitive](eqn)
         names = dict(zip(repl.invars, eqn.invars, strict=True))
-        r_outs = iter(repl.outvars)
-        for x, out in zip(eqn.invars, eqn.outvars, strict=True):
-            r_out = x if is_ref(x) else next(r_outs)
-            if r_out in names or is_ref(x):  # passed through: later uses read the input
-                alias[out] = names.get(r_out, x)
+        if eqn.primitive is state_discharge.run_state_p:  # one output per input: refs pass through
+            r_outs = iter(repl.outvars)
+            ios = zip(eqn.invars, eqn.outvars, strict=True)
+            pairs = [(x if is_ref(x) else next(r_outs), out, is_ref(x)) for x, out in ios]
+        else:
+            pairs = [(r_out, out, False) for r_out, out in zip(repl.outvars, eqn.outvars, strict=True)]
+        for r_out, out, ref in pairs:
+            if r_out in names or ref:  # passed through: later uses read the input
+                alias[out] = names.get(r_out, r_out)
             elif not isinstance(out, jax_core.DropVar):
                 names[r_out] = out
         for e in repl.eqns:
@@ -144,10 +197,10 @@ def _inline_run_state(jaxpr: jax_core.Jaxpr) -> jax_core.Jaxpr:
 
 def _interpret(orig, self, jaxpr, token, *args):
     if isinstance(jaxpr, jax_core.ClosedJaxpr):
-        if any(e.primitive is state_discharge.run_state_p for e in jaxpr.jaxpr.eqns):
-            jaxpr = jax_core.ClosedJaxpr(_inline_run_state(jaxpr.jaxpr), jaxpr.consts)
-    elif any(e.primitive is state_discharge.run_state_p for e in jaxpr.eqns):
-        jaxpr = _inline_run_state(jaxpr)
+        if any(e.primitive in _REWRITES for e in jaxpr.jaxpr.eqns):
+            jaxpr = jax_core.ClosedJaxpr(_inline_rewrites(jaxpr.jaxpr), jaxpr.consts)
+    elif any(e.primitive in _REWRITES for e in jaxpr.eqns):
+        jaxpr = _inline_rewrites(jaxpr)
     return orig(self, jaxpr, token, *args)
 
 
@@ -166,7 +219,9 @@ def install() -> None:
     if _installed:
         return
     cls = interp.JaxprInterpreter
-    for name, patch in (("interpret", _interpret), ("_interpret_wgmma_ref_p", _interpret_wgmma)):
+    patches = {"interpret": _interpret, "_interpret_wgmma_ref_p": _interpret_wgmma}
+    patches["_interpret_swap_p"] = _interpret_swap
+    for name, patch in patches.items():
         setattr(cls, name, _before(getattr(cls, name), patch))
     _installed = True
-    logging.info("Mosaic GPU interpreter patched for run_state accumulators and register-LHS wgmma")
+    logging.info("Mosaic GPU interpreter patched for run_state accumulators, accumulator writes, register-LHS wgmma")

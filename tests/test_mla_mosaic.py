@@ -59,6 +59,8 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (4, 1, 64, 4096, MosaicMLAConfig(softmax="duplicate")),
         (1, 17, 8, 8256, MosaicMLAConfig(num_splits=5, softmax="shared")),
         (2, 17, 64, 1000, MosaicMLAConfig(compute_registers=240)),
+        (4, 1, 64, 4000, MosaicMLAConfig(overlap=True)),
+        (1, 33, 8, 8200, MosaicMLAConfig(overlap=True, swap_fence=True)),
     ],
 )
 def test_lowers_for_cuda(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None):
@@ -101,12 +103,15 @@ def test_config_checks():
         assert 2 * compute + memory <= 3 * 168 and memory >= 24
     with pytest.raises(ValueError, match="compute_registers"):
         MosaicMLAConfig(compute_registers=248)
+    with pytest.raises(ValueError, match="overlap pipelines the split softmax only"):
+        MosaicMLAConfig(softmax="shared", overlap=True)
     with pytest.raises(ValueError, match="multiple of 32"):
         MosaicMLAConfig(block_k=32)  # split S would leave P V a K dim of 16
 
 
 SPLIT = MosaicMLAConfig(num_splits=3)
 DUPLICATE = MosaicMLAConfig(num_splits=3, softmax="duplicate")
+OVERLAP = MosaicMLAConfig(num_splits=3, overlap=True)
 
 
 @pytest.mark.parametrize(
@@ -115,15 +120,18 @@ DUPLICATE = MosaicMLAConfig(num_splits=3, softmax="duplicate")
         (17, SPLIT),
         (17, DUPLICATE),
         (17, MosaicMLAConfig(num_splits=3, softmax="shared")),
-        (17, MosaicMLAConfig(num_splits=3, swap_fence=False)),
+        (17, MosaicMLAConfig(num_splits=3, swap_fence=True)),
+        (17, OVERLAP),
         (33, SPLIT),
+        (33, OVERLAP),
         (33, DUPLICATE),
     ],
 )
 def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
     """Ragged prefixes (0, mid-tile, cache end), 2-3 row blocks, 3 splits; N = 33 needs two ancestor words.
-    Race detection on at N = 17 (it reports one if the split softmax's max swap skips its meeting; with
-    swap_fence=False it must not)."""
+    Race detection on at N = 17 (it reports one if the split softmax's max swap skips its meeting; without the
+    swap's fence, the default, it must not). Interpret mode completes every wgmma at issue, so it cannot see a
+    race of the overlapped steps' in-flight wgmma; their order is argued in `compute_split`."""
     rng = np.random.default_rng(n)
     batch, heads, length = 3, 4, 203
     q, cache, prefix = inputs(rng, batch, n, heads, length, [0, 70, length - n])
@@ -153,13 +161,15 @@ def test_decode_single_node(heads: int):
     q, cache, prefix = inputs(rng, batch, 1, heads, length, [0, 5, 130, length - 1])
     mask = jnp.ones((batch, 1, 1), bool)
     ref = reference(q, cache, prefix, mask)
-    for config in (None, MosaicMLAConfig(num_splits=4), MosaicMLAConfig(num_splits=4, softmax="duplicate")):
+    configs = [MosaicMLAConfig(num_splits=4, softmax="duplicate"), MosaicMLAConfig(num_splits=4, overlap=True)]
+    for config in (None, MosaicMLAConfig(num_splits=4), *configs):
         assert rel_err(run(q, cache, prefix, mask, config), ref) < 1e-2
 
 
 @pytest.mark.parametrize(
     "config",
-    [MosaicMLAConfig(num_splits=2, softmax=mode) for mode in ("shared", "duplicate")] + [MosaicMLAConfig()],
+    [MosaicMLAConfig(num_splits=2, softmax=mode) for mode in ("shared", "duplicate")]
+    + [MosaicMLAConfig(), MosaicMLAConfig(overlap=True)],
 )
 def test_causal_block(config: MosaicMLAConfig):
     """A causal 40-node block (two ancestor words), the three ways of splitting the softmax work."""
