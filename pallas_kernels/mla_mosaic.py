@@ -343,8 +343,8 @@ def _kernel(
             return acc, m_new, l_i
 
         def overlapped():
-            """The tiles software-pipelined: step t issues P_t V_t for the other warpgroup's P half (SMEM), S of
-            tile t + 1, then P_t V_t for its own half (registers), and waits only for the first two (wgmma groups
+            """The tiles software-pipelined: step t issues S of tile t + 1, P_t V_t for the other warpgroup's P half
+            (SMEM), then P_t V_t for its own half (registers), and waits only for the first two (wgmma groups
             complete in order) before the softmax of tile t + 1; the own-half P V runs on under it. The other's
             P buffer is free again at the max swap, since both warpgroups have read it by then."""
 
@@ -359,15 +359,17 @@ def _kernel(
                 slot = lax.rem(t - t_lo, stages)
 
                 def body(acc_ref, s_ref):
+                    # Every register the wgmmas read is written before the first of them: ptxas serialises them
+                    # otherwise (C7513; S of the next tile issued after the P V, bench_mla_overlap).
                     acc_ref[...] = acc * row_bcast(alpha, acc)
+                    if next_masked is not None:
+                        nxt = lax.rem(t + 1 - t_lo, stages)
+                        plgpu.barrier_wait(kv_bars.at[nxt])
+                        plgpu.wgmma(s_ref, q_smem, kv_smem.at[nxt, own].transpose((1, 0)))
                     plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
-                    if next_masked is None:
-                        plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
-                        return acc_ref[...], m_i, l_i, alpha, p16
-                    nxt = lax.rem(t + 1 - t_lo, stages)
-                    plgpu.barrier_wait(kv_bars.at[nxt])
-                    plgpu.wgmma(s_ref, q_smem, kv_smem.at[nxt, own].transpose((1, 0)))
                     plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
+                    if next_masked is None:
+                        return acc_ref[...], m_i, l_i, alpha, p16
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * qk_scale
                     s = mask_scores(t + 1, s, words, half * hk) if next_masked else s
                     stats = softmax(s, m_i, l_i)
