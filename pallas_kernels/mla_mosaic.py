@@ -76,6 +76,7 @@ class MosaicMLAConfig:
       barrier, so the fence is not needed: off by default (1-8 % faster, bench_mla_tilings_verify).
     overlap: software-pipeline the split softmax's tiles (`compute_split`): each step's own-half P V runs on the
       tensor cores under the next tile's softmax, and S of the next tile is issued beside the other half's P V.
+      Correct on the H200 but 30-45 % slower there: ptxas serialises its wgmmas (C7513; notes_mla, sixth round).
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
     """
 
