@@ -47,6 +47,15 @@ def parse_tiling(text: str) -> MosaicMLAConfig:
         raise UserError(f"tiling {text!r}: {e}") from None
 
 
+def parse_cell(text: str) -> tuple[int, int, int, int]:
+    """'context/nodes/batch/heads' -> four ints (a UserError naming the cell if malformed)."""
+    parts = text.split("/")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts) or not all(int(p) > 0 for p in parts[1:]):
+        raise UserError(f"--cells: {text!r} is not context/nodes/batch/heads (non-negative context, positive rest)")
+    context, nodes, batch, heads = map(int, parts)
+    return context, nodes, batch, heads
+
+
 def random_tree_mask(rng: np.random.Generator, batch: int, n: int) -> np.ndarray:
     """Ancestor-or-self masks `[B, N, N]` of random trees (parents[i] < i)."""
     mask = np.zeros((batch, n, n), bool)

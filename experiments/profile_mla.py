@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from ddtree_jax.errors import UserError, cli_main
+from ddtree_jax.errors import cli_main
 from ddtree_jax.sizing import cache_slots
-from experiments.mla_common import DK, DV, SCALE, parse_tiling, random_tree_mask
+from experiments.mla_common import DK, DV, SCALE, parse_cell, parse_tiling, random_tree_mask
 from pallas_kernels import mla_mosaic
 
 FLAGS = flags.FLAGS
@@ -29,15 +29,6 @@ flags.DEFINE_multi_string(
     [""],
     "MosaicMLAConfig fields per profiled variant (repeatable; '' is the default), e.g. softmax=duplicate",
 )
-
-
-def parse_cell(text: str) -> tuple[int, int, int, int]:
-    """'context/nodes/batch/heads' -> four ints (a UserError naming the cell if malformed)."""
-    parts = text.split("/")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts) or not all(int(p) > 0 for p in parts[1:]):
-        raise UserError(f"--cells: {text!r} is not context/nodes/batch/heads (non-negative context, positive rest)")
-    context, nodes, batch, heads = map(int, parts)
-    return context, nodes, batch, heads
 
 
 @cli_main

@@ -76,7 +76,8 @@ class MosaicMLAConfig:
       barrier, so the fence is not needed: off by default (1-8 % faster, bench_mla_tilings_verify).
     overlap: software-pipeline the split softmax's tiles (`compute_split`): each step's own-half P V runs on the
       tensor cores under the next tile's softmax, and S of the next tile is issued beside the other half's P V.
-      Correct on the H200 but 30-45 % slower there: ptxas serialises its wgmmas (C7513; notes_mla, sixth round).
+      The two versions timed on the H200 were correct but 30-45 % slower: ptxas serialised their wgmmas (C7513;
+      notes_mla, sixth round). This one is not serialised (`experiments.ptxas_report`); it is not yet timed.
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
     """
 
@@ -315,25 +316,31 @@ def _kernel(
             schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
             return plgpu.load(stat_smem.at[1 - half], layout=_ROW)
 
-        def softmax(s, m_i, l_i):
-            """This warpgroup's S half of a tile -> (running max, running sum, rescale alpha, P half in bf16), P
-            published in p_smem[half]. The other warpgroup's reads of that buffer must be complete."""
+        def softmax(s, m_i):
+            """This warpgroup's S half of a tile -> (running max, rescale alpha, P half in f32); the row maxima
+            are agreed with the other warpgroup at a meeting."""
             m_own = jnp.maximum(m_i, s.max(axis=1))
             m_new = jnp.maximum(m_own, swap(m_own))
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - row_bcast(m_new, s))
+            return m_new, alpha, jnp.exp2(s - row_bcast(m_new, s))
+
+        def publish(p):
+            """P half -> bf16, also in p_smem[half] once both warpgroups meet. The other warpgroup's reads of that
+            buffer must be complete."""
             p16 = p.astype(kv_smem.dtype)
             p_smem.at[half][...] = p16
             plgpu.commit_smem()
             schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
-            return m_new, l_i * alpha + p.sum(axis=1), alpha, p16
+            return p16
 
         def tile(t, carry, masked: bool):
             acc, m_i, l_i = carry
             slot = lax.rem(t - t_lo, stages)
             s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
             # The other warpgroup's last P V, which read p_smem[half], completed before its meeting in `swap`.
-            m_new, l_i, alpha, p16 = softmax(s, m_i, l_i)
+            m_new, alpha, p = softmax(s, m_i)
+            p16 = publish(p)
+            l_i = l_i * alpha + p.sum(axis=1)
 
             def body(acc_ref):
                 plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
@@ -352,20 +359,19 @@ def _kernel(
             def first_tile(t, carry):
                 acc, m_i, l_i, _, _ = carry
                 s = scores(t, 0, words, masked=True, ping_pong=False, first=half * hk, width=hk)
-                return (acc, *softmax(s, m_i, l_i))
+                m_new, alpha, p = softmax(s, m_i)
+                return acc, m_new, l_i * alpha + p.sum(axis=1), alpha, publish(p)
 
             def step(t, carry, next_masked: bool | None):
                 """P V of tile t, and S and the softmax of tile t + 1 unless next_masked is None (the last)."""
                 acc, m_i, l_i, alpha, p16 = carry
-                slot = lax.rem(t - t_lo, stages)
+                slot, nxt = lax.rem(t - t_lo, stages), lax.rem(t + 1 - t_lo, stages)
+                if next_masked is not None:  # the wait loop must not sit between the wgmma fence and the wgmmas
+                    plgpu.barrier_wait(kv_bars.at[nxt])  # (ptxas then injects its own fence, C7519)
 
                 def body(acc_ref, s_ref):
-                    # Every register the wgmmas read is written before the first of them: ptxas serialises them
-                    # otherwise (C7513; S of the next tile issued after the P V, bench_mla_overlap).
                     acc_ref[...] = acc * row_bcast(alpha, acc)
                     if next_masked is not None:
-                        nxt = lax.rem(t + 1 - t_lo, stages)
-                        plgpu.barrier_wait(kv_bars.at[nxt])
                         plgpu.wgmma(s_ref, q_smem, kv_smem.at[nxt, own].transpose((1, 0)))
                     plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
                     plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
@@ -373,8 +379,12 @@ def _kernel(
                         return acc_ref[...], m_i, l_i, alpha, p16
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * qk_scale
                     s = mask_scores(t + 1, s, words, half * hk) if next_masked else s
-                    stats = softmax(s, m_i, l_i)
-                    return acc_ref[...], *stats
+                    m_new, alpha_new, p = softmax(s, m_i)
+                    # The next P is made bf16 only once the P V reading this one from registers has completed:
+                    # LLVM gives it the same registers, and a write to a running wgmma's operand makes ptxas
+                    # serialise every wgmma (C7513). The barrier (side-effecting asm) keeps p after the wait.
+                    acc_out, p = lax.optimization_barrier((acc_ref[...], p))
+                    return acc_out, m_new, l_i * alpha_new + p.sum(axis=1), alpha_new, publish(p)
 
                 out = pl.run_scoped(
                     body, plgpu.ACC((BLOCK_R, half_dv), jnp.float32), plgpu.ACC((BLOCK_R, hk), jnp.float32)

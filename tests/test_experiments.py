@@ -323,6 +323,8 @@ def test_ab_flags(tiny_pair, tmp_path):
         ("bench_mla", "--mosaic_tiling=registers=240", "FIELD=VALUE"),
         ("profile_mla", "--cells=8192/1/x/64", "--cells"),
         ("profile_mla", "--tiling=softmax=split_s", "softmax must be one of"),
+        ("ptxas_report", "--cells=8192/1/8", "--cells"),
+        ("ptxas_report", "--ptxas=/nonexistent/ptxas", "ptxas not found"),
         ("bench_mla_stream", "--rings=64x", "--rings"),
         ("bench_mla_stream", "--loop=yes", "--loop"),  # absl rejects it
     ],
