@@ -14,7 +14,7 @@ On the H200 the same cells gave the same ptxas report (profiles/ptxas_overlap*.t
     .venv/bin/python -m experiments.ptxas_report --cells=8192/1/8/64 --tiling= --tiling=overlap=true
 
 Writes `<name>.json` / `.md` (one row per cell and tiling: serialised wgmmas, injected fences, spill bytes) and
-each full ptxas log to `<out_dir>/profiles/<name>_<row>.txt`.
+the full ptxas logs, one after another, to `<out_dir>/profiles/<name>.txt`.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def main(argv: list[str]) -> None:
     so, driver = plugin(cache), stand_in_driver(cache)
     out_dir = Path(FLAGS.out_dir) if FLAGS.out_dir else common.RESULTS_DIR
     version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    records, logs = [], {}
+    records, logs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for cell in cells:
             for text, tiling in tilings:
@@ -181,11 +181,10 @@ def main(argv: list[str]) -> None:
                     log = ptxas_log(ptx(module, so, driver, Path(tmp)), ptxas, Path(tmp))
                     row = {"cell": "/".join(map(str, cell)), "tiling": text or "default", "kernel": k}
                     records.append(row | summarize(log))
-                    logs[f"{FLAGS.name}_{len(records)}.txt"] = f"# {row}\n{log}"
+                    logs.append(f"# {row}\n{log}")
                     logging.info("%s", records[-1])
     (out_dir / "profiles").mkdir(parents=True, exist_ok=True)
-    for file, log in logs.items():
-        (out_dir / "profiles" / file).write_text(log)
+    (out_dir / "profiles" / f"{FLAGS.name}.txt").write_text("\n".join(logs))
     columns = ["cell", "tiling", "kernel", "serialized", "injected_fences", "spill_stores", "spill_loads", "registers"]
     path = common.write_results(FLAGS.name, records, columns, out_dir, extra={"ptxas": version, "arch": ARCH})
     print(f"wrote {path}")
