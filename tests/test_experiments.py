@@ -467,3 +467,17 @@ def test_parse_tiling():
     for bad in ("block_k", "block_k=x", "swap_fence=1", "softmax=both", "nope=3"):
         with pytest.raises(UserError, match="tiling"):
             parse_tiling(bad)
+
+
+def test_gpu_matrix_packs_only_what_it_wrote(tmp_path):
+    """With OUT set (the device tool returns at most 8 files), run_gpu_matrix.sh leaves one results.tgz holding
+    what its stages wrote (here only the report), not the earlier records it copied in for that report."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "STAGES": "none", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        ["bash", "experiments/run_gpu_matrix.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["results.tgz"]
+    listing = subprocess.run(["tar", "tzf", str(tmp_path / "results.tgz")], capture_output=True, text=True).stdout
+    names = {Path(n).name for n in listing.split()}
+    assert "REPORT.md" in names and not any(n.startswith("bench_mla") for n in names), names
