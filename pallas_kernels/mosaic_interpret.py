@@ -64,19 +64,23 @@ def _interpret_wgmma(orig, self, eqn, token, get_invals):
     )
     acc, acc_t = interp.resolve_ref(eqn.invars[0].aval, acc, acc_t)
     b, b_t = interp.resolve_ref(eqn.invars[2].aval, b, b_t)
-    token = callback.io_callback(
-        functools.partial(_wgmma_register_lhs, source_info=eqn.source_info),
+    token = _call(
+        self, eqn, token, _wgmma_register_lhs, acc_key=acc, acc_transforms=acc_t, a=a, b_key=b, b_transforms=b_t
+    )
+    return token, []
+
+
+def _call(self, eqn, token, fn, **kwargs):
+    """`fn(token=, mesh_location=, thread=, source_info=, **kwargs)` on the host, ordered by the interpreter's token."""
+    partial = functools.partial(fn, source_info=eqn.source_info)
+    return callback.io_callback(
+        partial,
         gpu_callbacks.TOKEN_SHAPE_DTYPE,
         token=token,
         mesh_location=self.mesh_location,
         thread=self.thread,
-        acc_key=acc,
-        acc_transforms=acc_t,
-        a=a,
-        b_key=b,
-        b_transforms=b_t,
+        **kwargs,
     )
-    return token, []
 
 
 @gpu_callbacks.fail_on_exception
@@ -97,16 +101,7 @@ def _interpret_swap(orig, self, eqn, token, get_invals):
     if not isinstance(eqn.invars[0].aval, mgpu_core.WGMMAAbstractAccumulatorRef):
         return orig(self, eqn, token, get_invals)
     acc, value, *_ = get_invals()
-    token = callback.io_callback(
-        functools.partial(_store_accumulator, source_info=eqn.source_info),
-        gpu_callbacks.TOKEN_SHAPE_DTYPE,
-        token=token,
-        mesh_location=self.mesh_location,
-        thread=self.thread,
-        acc_key=acc,
-        value=value,
-    )
-    return token, value
+    return _call(self, eqn, token, _store_accumulator, acc_key=acc, value=value), value
 
 
 def is_ref(x: jax_core.Atom) -> bool:
