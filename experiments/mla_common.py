@@ -25,6 +25,19 @@ from pallas_kernels.mla_mosaic import MosaicMLAConfig
 DK, DV, SCALE = 576, 512, 0.1446796  # K2.6 latent + rope dims, value dims, softmax scale
 
 
+def abstract_inputs(
+    batch: int, nodes: int, heads: int, length: int, dtype: Any = jnp.bfloat16
+) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Shapes of one attention call's (q `[B, N, Hq, 576]`, latent cache `[B, L, 576]`, prefix_len `[B]`,
+    tree_mask `[B, N, N]`), for lowering without data."""
+    return (
+        jax.ShapeDtypeStruct((batch, nodes, heads, DK), dtype),
+        jax.ShapeDtypeStruct((batch, length, DK), dtype),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, nodes, nodes), jnp.bool_),
+    )
+
+
 def parse_tiling(text: str) -> MosaicMLAConfig:
     """'field=value,...' -> the default MosaicMLAConfig with those fields replaced ('' -> the default); a
     UserError naming the problem for an unknown field, a value of the wrong type or an impossible tiling."""

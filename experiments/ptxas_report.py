@@ -29,7 +29,6 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import jaxlib.version
 from absl import app, flags, logging
 from jax.experimental.mosaic.gpu import core as mgpu_core
@@ -37,7 +36,7 @@ from jax.experimental.mosaic.gpu import core as mgpu_core
 from ddtree_jax.errors import UserError, cli_main
 from ddtree_jax.sizing import cache_slots
 from experiments import common
-from experiments.mla_common import DK, DV, SCALE, parse_cell, parse_tiling
+from experiments.mla_common import DV, SCALE, abstract_inputs, parse_cell, parse_tiling
 from pallas_kernels import mla_mosaic
 
 FLAGS = flags.FLAGS
@@ -96,15 +95,9 @@ def mosaic_modules(cell: tuple[int, int, int, int], tiling: mla_mosaic.MosaicMLA
     context, nodes, batch, heads = cell
     length = cache_slots(context + nodes)
     config = mla_mosaic.default_config(batch, nodes * heads, length, tiling)
-    args = (
-        jax.ShapeDtypeStruct((batch, nodes, heads, DK), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch, length, DK), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-        jax.ShapeDtypeStruct((batch, nodes, nodes), jnp.bool_),
-    )
     fn = functools.partial(mla_mosaic.mla_attention_mosaic_split, scale=SCALE, value_dim=DV, config=config)
     mgpu_core.KNOWN_KERNELS.clear()
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    jax.jit(fn).trace(*abstract_inputs(batch, nodes, heads, length)).lower(lowering_platforms=("cuda",))
     return list(mgpu_core.KNOWN_KERNELS.values())
 
 

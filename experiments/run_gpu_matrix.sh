@@ -13,8 +13,8 @@
 #   checked and timed beside the default (bench_mla_tilings; at most 7 min)
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
-# Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after every cell, so a stage
-# cut short keeps what it measured. Shrink further with e.g. SWEEP_S=120 BENCH_S=120 REPEATS=2 MAX_NEW=64.
+# Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
+# every cell, so a stage cut short keeps what it measured. Shrink further with e.g. SWEEP_S=120 BENCH_S=120 REPEATS=2 MAX_NEW=64.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

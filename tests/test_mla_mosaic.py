@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp_call
 
+from experiments.mla_common import abstract_inputs
 from pallas_kernels.mla_mosaic import (
     INTERPRET_PARAMS,
     SMEM_LIMIT,
@@ -34,12 +35,7 @@ from tests.test_mla_attention import DK, DV, SCALE, builder_masks, inputs, rando
 
 def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None) -> str:
     """StableHLO text of the kernel lowered for CUDA (abstract inputs, no device needed)."""
-    args = (
-        jax.ShapeDtypeStruct((b, n, heads, DK), jnp.bfloat16),
-        jax.ShapeDtypeStruct((b, length, DK), jnp.bfloat16),
-        jax.ShapeDtypeStruct((b,), jnp.int32),
-        jax.ShapeDtypeStruct((b, n, n), jnp.bool_),
-    )
+    args = abstract_inputs(b, n, heads, length)
     if config is None:
         fn = functools.partial(mla_attention_mosaic, scale=SCALE, value_dim=DV)
     else:

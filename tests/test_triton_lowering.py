@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
+from experiments.mla_common import abstract_inputs
 from pallas_kernels.mla_attention import mla_attention_pallas
 from pallas_kernels.tree_build import build_tree_pallas
 
@@ -40,18 +41,13 @@ def test_tree_kernel_lowers(batch, depth, budget):
     assert "__gpu$xla.gpu.triton" in text and "ddtree_build" in text
 
 
-def mla_args(nodes: int, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
-    q, cache = spec((2, nodes, 16, 576), dtype), spec((2, 1024, 576), dtype)
-    return q, cache, spec((2,), jnp.int32), spec((2, nodes, nodes), jnp.bool_)
-
-
 def mla(q, cache, prefix, mask):
     return mla_attention_pallas(q, cache, prefix, mask, 0.1, 512)
 
 
 @pytest.mark.parametrize(("nodes", "dtype"), [(1, jnp.bfloat16), (17, jnp.bfloat16), (17, jnp.float32)])
 def test_mla_kernel_lowers(nodes, dtype):
-    text = lower_for_h200(mla, *mla_args(nodes, dtype))
+    text = lower_for_h200(mla, *abstract_inputs(2, nodes, 16, 1024, dtype))
     assert "__gpu$xla.gpu.triton" in text and "mla_attention" in text
 
 
@@ -74,6 +70,6 @@ def test_mla_kernel_multiplies_float32_in_float32(dtype):
     the kernel asks for HIGHEST (IEEE) on f32 operands and leaves bf16 ones at the default (the suite sets
     "highest" globally, so the test resets it)."""
     with jax.default_matmul_precision("default"):
-        found = dot_precisions(jax.make_jaxpr(mla)(*mla_args(3, dtype)).jaxpr)
+        found = dot_precisions(jax.make_jaxpr(mla)(*abstract_inputs(2, 3, 16, 1024, dtype)).jaxpr)
     highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
     assert found and (all(highest) if dtype == jnp.float32 else not any(highest))
