@@ -17,12 +17,26 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from ddtree_jax.errors import UserError
 from experiments import common
 from pallas_kernels.mla_mosaic import MosaicMLAConfig
 
 DK, DV, SCALE = 576, 512, 0.1446796  # K2.6 latent + rope dims, value dims, softmax scale
+# An H200 that need not be there: the Triton lowering asks the mesh for the GPU it compiles for.
+H200_MESH = AbstractMesh(
+    (1,),
+    ("x",),
+    axis_types=(AxisType.Auto,),
+    abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
+)
+
+
+def lower_for_h200(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct) -> str:
+    """StableHLO text of jit(fn) on these abstract inputs, lowered for CUDA on a machine without a GPU."""
+    with use_abstract_mesh(H200_MESH):
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def abstract_inputs(

@@ -28,7 +28,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax
 import jaxlib.version
 from absl import app, flags, logging
 from jax.experimental.mosaic.gpu import core as mgpu_core
@@ -36,7 +35,7 @@ from jax.experimental.mosaic.gpu import core as mgpu_core
 from ddtree_jax.errors import UserError, cli_main
 from ddtree_jax.sizing import cache_slots
 from experiments import common
-from experiments.mla_common import DV, SCALE, abstract_inputs, parse_cell, parse_tiling
+from experiments.mla_common import DV, SCALE, abstract_inputs, lower_for_h200, parse_cell, parse_tiling
 from pallas_kernels import mla_mosaic
 
 FLAGS = flags.FLAGS
@@ -97,7 +96,7 @@ def mosaic_modules(cell: tuple[int, int, int, int], tiling: mla_mosaic.MosaicMLA
     config = mla_mosaic.default_config(batch, nodes * heads, length, tiling)
     fn = functools.partial(mla_mosaic.mla_attention_mosaic_split, scale=SCALE, value_dim=DV, config=config)
     mgpu_core.KNOWN_KERNELS.clear()
-    jax.jit(fn).trace(*abstract_inputs(batch, nodes, heads, length)).lower(lowering_platforms=("cuda",))
+    lower_for_h200(fn, *abstract_inputs(batch, nodes, heads, length))
     return list(mgpu_core.KNOWN_KERNELS.values())
 
 

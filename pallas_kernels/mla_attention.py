@@ -9,8 +9,8 @@ Semantics are those of `reference.mla_attention_reference`. Layout of the work:
   (one program each), so short batches still fill the GPU; only tiles below `prefix_len[b] + N` are read.
 * Tiles entirely inside the prefix run unmasked; only the last tiles (those touching the N-node block) apply
   the tree mask, given per row as 32-bit words of ancestor bits.
-* Each program writes a normalised bf16 partial output and its f32 log-sum-exp; a small XLA epilogue merges
-  the splits (skipped when there is one split).
+* Each program writes a normalised bf16 partial output and its f32 log-sum-exp; `mla_combine.merge_splits`
+  merges the splits (skipped when there is one split).
 
 Lowering: Pallas-Triton (`pl.pallas_call`), not Mosaic GPU; see experiments/notes_mla.md for why.
 """
@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.mla_combine import COMBINE_METHODS, merge_splits
+
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
 
@@ -41,6 +43,11 @@ class MLAConfig:
     num_splits: int = 0
     num_warps: int = 8
     num_stages: int = 2
+    combine: str = "pallas"  # how the splits are merged: mla_combine.COMBINE_METHODS
+
+    def __post_init__(self):
+        if self.combine not in COMBINE_METHODS:
+            raise ValueError(f"combine must be one of {COMBINE_METHODS}: {self}")
 
 
 def default_config(batch: int, rows: int, max_len: int) -> MLAConfig:
@@ -71,16 +78,28 @@ def _tree_words(tree_mask: jax.Array, heads: int, rows_pad: int) -> jax.Array:
     """`[B, N, N]` bool -> `[B, W, rows_pad]` int32: bit j % 32 of word j // 32 of row r is
     tree_mask[r // heads, j].
 
-    W is a power of two >= ceil(N / 32); padded rows and words are 0.
+    W is a power of two >= ceil(N / 32); padded rows and words are 0. Written as one reduction over the 32 bits of
+    a broadcast of the (small) mask, laid out as the result, so that XLA can run it as one kernel.
     """
     b, n, _ = tree_mask.shape
     n_words = pl.next_power_of_2(pl.cdiv(n, 32))
-    bits = jnp.zeros((b, n, n_words * 32), jnp.uint32).at[:, :, :n].set(tree_mask.astype(jnp.uint32))
-    bits = bits.reshape(b, n, n_words, 32) << jnp.arange(32, dtype=jnp.uint32)
-    words = lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)  # [B, N, W]
-    words = jnp.repeat(words, heads, axis=1)  # [B, N * Hq, W]
-    words = jnp.pad(words, ((0, 0), (0, rows_pad - n * heads), (0, 0)))
-    return jnp.swapaxes(words, 1, 2)
+    bits = jnp.pad(tree_mask.astype(jnp.uint32), ((0, 0), (0, 0), (0, n_words * 32 - n)))
+    bits = jnp.swapaxes(bits.reshape(b, n, n_words, 32), 1, 2) << jnp.arange(32, dtype=jnp.uint32)  # [B, W, N, 32]
+    bits = jnp.pad(jnp.repeat(bits, heads, axis=2), ((0, 0), (0, 0), (0, rows_pad - n * heads), (0, 0)))
+    return lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)
+
+
+def tree_inputs(
+    tree_mask: jax.Array, prefix_len: jax.Array, heads: int, rows_pad: int
+) -> tuple[jax.Array, jax.Array | None, int]:
+    """What the kernels take of the tree: (visible prefix `[B]` int32, ancestor words `[B, W, rows_pad]` int32 or
+    None, tree nodes the kernel masks). One node (decode) needs no words: its one tree slot is folded into the
+    prefix (prefix_len + tree_mask[:, 0, 0]) and the kernel sees no tree block."""
+    prefix_len = prefix_len.astype(jnp.int32)
+    n = tree_mask.shape[1]
+    if n == 1:
+        return prefix_len + tree_mask[:, 0, 0].astype(jnp.int32), None, 0
+    return prefix_len, _tree_words(tree_mask, heads, rows_pad), n
 
 
 def _tree_visible(words: list[jax.Array], rel: jax.Array, n_nodes: int) -> jax.Array:
@@ -101,7 +120,6 @@ def _kernel(
     prefix_ref,
     q_ref,
     kv_ref,
-    words_ref,
     *refs,
     scale: float,
     n_nodes: int,
@@ -111,11 +129,12 @@ def _kernel(
 ):
     """One (row block, split, sequence) program.
 
-    prefix_ref: scalar int32; q_ref `[block_r, dv + dr]`; kv_ref `[L, dv + dr]` (whole cache row); words_ref
-    `[W, block_r]` int32. refs ends with the outputs o_ref `[block_r, dv]` bf16 (normalised) and lse_ref
+    prefix_ref: scalar int32; q_ref `[block_r, dv + dr]`; kv_ref `[L, dv + dr]` (whole cache row); refs: words_ref
+    `[W, block_r]` int32 when n_nodes > 0, then the outputs o_ref `[block_r, dv]` bf16 (normalised) and lse_ref
     `[block_r]` f32, preceded by their poisoned initial values when those are aliased in.
     """
     o_ref, lse_ref = refs[-2:]
+    words = [refs[0][k, :] for k in range(refs[0].shape[0])] if n_nodes else []
     split = pl.program_id(1)
     length = kv_ref.shape[0]
     rope_dim = kv_ref.shape[1] - value_dim
@@ -129,7 +148,6 @@ def _kernel(
 
     qn = q_ref[:, pl.ds(0, value_dim)]
     qp = q_ref[:, pl.ds(value_dim, rope_dim)]
-    words = [words_ref[k, :] for k in range(words_ref.shape[0])]
     qk_scale = scale * _LOG2E
     cols = jnp.arange(block_k, dtype=jnp.int32)
     # f32 operands multiply in IEEE f32 (Triton's default for them is TF32); bf16 ones need no setting
@@ -150,7 +168,9 @@ def _kernel(
         if masked:
             slot = start + cols
             own = (slot >= t * block_k) & (slot < total)
-            vis = own[None, :] & ((slot < prefix)[None, :] | _tree_visible(words, slot - prefix, n_nodes))
+            vis = own[None, :] & (slot < prefix)[None, :]
+            if n_nodes:
+                vis |= own[None, :] & _tree_visible(words, slot - prefix, n_nodes)
             s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
@@ -171,17 +191,6 @@ def _kernel(
     inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
     o_ref[...] = (acc * inv_l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m_i / _LOG2E + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-
-
-def _combine(o_part: jax.Array, lse: jax.Array) -> jax.Array:
-    """Merge split partials: o_part `[B, S, R, dv]`, lse `[B, S, R]` f32 -> `[B, R, dv]` f32 (one split: the
-    partial itself, in its own dtype, so no conversion round trip is launched)."""
-    if o_part.shape[1] == 1:
-        return o_part[:, 0]
-    m = jnp.max(lse, axis=1, keepdims=True)
-    w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))  # [B, S, R]; empty splits weigh 0
-    w = w / jnp.sum(w, axis=1, keepdims=True)  # 0 / 0 only for a row that sees no slot (NaN, as the reference)
-    return jnp.sum(w[..., None] * o_part.astype(jnp.float32), axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "value_dim", "config", "interpret", "poison"))
@@ -216,11 +225,11 @@ def mla_attention_split(
     rows_pad = pl.cdiv(rows, block_r) * block_r
     num_splits = config.num_splits or _auto_splits(b * rows_pad // block_r, length, block_k)
     qr = jnp.pad(q.reshape(b, rows, dk).astype(latent_cache.dtype), ((0, 0), (0, rows_pad - rows), (0, 0)))
-    words = _tree_words(tree_mask, heads, rows_pad)
-    n_words = words.shape[1]
+    prefix, words, n_nodes = tree_inputs(tree_mask, prefix_len, heads, rows_pad)
+    tree = [words] if n_nodes else []
 
     kernel = functools.partial(
-        _kernel, scale=float(scale), n_nodes=n, value_dim=value_dim, block_k=block_k, num_splits=num_splits
+        _kernel, scale=float(scale), n_nodes=n_nodes, value_dim=value_dim, block_k=block_k, num_splits=num_splits
     )
     grid = (rows_pad // block_r, num_splits, b)
     out_specs = [
@@ -239,18 +248,18 @@ def mla_attention_split(
             pl.BlockSpec((None,), lambda i, s, bb: (bb,)),
             pl.BlockSpec((None, block_r, dk), lambda i, s, bb: (bb, i, 0)),
             pl.BlockSpec((None, length, dk), lambda i, s, bb: (bb, 0, 0)),
-            pl.BlockSpec((None, n_words, block_r), lambda i, s, bb: (bb, 0, i)),
+            *[pl.BlockSpec((None, w.shape[1], block_r), lambda i, s, bb: (bb, 0, i)) for w in tree],
             *(out_specs if poison else []),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={4: 0, 5: 1} if poison else {},
+        input_output_aliases={3 + len(tree): 0, 4 + len(tree): 1} if poison else {},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="mla_attention",
-    )(prefix_len.astype(jnp.int32), qr, latent_cache, words, *poisoned)
-    o = _combine(o_part, lse)[:, :rows]
-    return o.reshape(b, n, heads, value_dim).astype(q.dtype)
+    )(prefix, qr, latent_cache, *tree, *poisoned)
+    o = merge_splits(o_part, lse, rows, q.dtype, config.combine, interpret=interpret)
+    return o.reshape(b, n, heads, value_dim)
 
 
 def mla_attention_pallas(

@@ -20,9 +20,10 @@ Work layout (FlashMLA-like, simplest form):
     publishes P (bf16) and the running max / sum in SMEM; each adds P V for its columns, the owner from registers,
     the other from SMEM at the start of its next tile.
 * Tiles wholly inside the prefix run unmasked; the last tiles (those touching the N-node block) mask by the slot
-  bound and the tree mask, given per row as 32-bit words of ancestor bits (`mla_attention._tree_words`).
-* Each CTA writes a normalised bf16 partial `[64, 512]` (staged in Q's SMEM) and its f32 log-sum-exp; the XLA
-  epilogue of `mla_attention` merges the splits.
+  bound and the tree mask, given per row as 32-bit words of ancestor bits (`mla_attention.tree_inputs`; decode
+  folds its one node into the prefix and takes no words).
+* Each CTA writes a normalised bf16 partial `[64, 512]` (staged in Q's SMEM) and its f32 log-sum-exp;
+  `mla_combine.merge_splits` merges the splits.
 
 SMEM: Q 72 KiB + num_stages * block_k * 1152 B (block_k 64 x 2 stages: 144 KiB) + P 8 KiB + 1 KiB each for the tree
 words and the max / sum / LSE rows + barriers = 231,496 B of the 232,448 an H200 CTA may use (every buffer starts at
@@ -44,7 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_interpret
-from pallas_kernels.mla_attention import _combine, _tree_words
+from pallas_kernels.mla_attention import tree_inputs
+from pallas_kernels.mla_combine import COMBINE_METHODS, merge_splits
 
 BLOCK_R = 64  # query rows per CTA (one wgmma M tile)
 SMEM_LIMIT = 232_448  # bytes of shared memory one CTA may use on an H100 / H200
@@ -79,6 +81,7 @@ class MosaicMLAConfig:
       The two versions timed on the H200 were correct but 30-45 % slower: ptxas serialised their wgmmas (C7513;
       notes_mla, sixth round). This one is not serialised (`experiments.ptxas_report`); it is not yet timed.
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
+    combine: how the splits are merged (`mla_combine.merge_splits`): "pallas" (one kernel) or "xla" (reference).
     """
 
     block_k: int = 64
@@ -89,12 +92,15 @@ class MosaicMLAConfig:
     swap_fence: bool = False
     compute_registers: int = 232
     overlap: bool = False
+    combine: str = "pallas"
 
     def __post_init__(self):
         if self.softmax not in SOFTMAX_MODES:
             raise ValueError(f"softmax must be one of {SOFTMAX_MODES}: {self}")
         if self.compute_registers % 8 or not 128 <= self.compute_registers <= 240:
             raise ValueError(f"compute_registers must be a multiple of 8 in [128, 240]: {self}")
+        if self.combine not in COMBINE_METHODS:
+            raise ValueError(f"combine must be one of {COMBINE_METHODS}: {self}")
         if self.overlap and self.softmax != "split":
             raise ValueError(f"overlap pipelines the split softmax only: {self}")
         if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
@@ -161,7 +167,8 @@ def _kernel(
 ):
     """One (row block, split, sequence) CTA of three warpgroups ("wg" 0, 1: compute; 2: memory).
 
-    GMEM: prefix_ref `[B]` int32, q_ref `[B, R, dk]`, kv_ref `[B, L, dk]`, words_ref `[B, W, R]` int32;
+    GMEM: prefix_ref `[B]` int32, q_ref `[B, R, dk]`, kv_ref `[B, L, dk]`, words_ref `[B, W, R]` int32 (None,
+    with words_smem, when n_nodes == 0: no tree block, `_kernel_no_tree`);
     outputs o_ref `[B, S, R, dv]` bf16 (normalised partials), lse_ref `[B, S, R]` f32.
     SMEM: q_o_smem = (Q `[64, dk]`, the output `[2, 64, dv / 2]` in the same memory), kv_smem
     `[stages, block_k, dk]`, words_smem `[W, 64]`, p_smem (shared softmax: the last published P `[64, block_k]`;
@@ -413,7 +420,7 @@ def _kernel(
         plgpu.set_max_registers(config.compute_registers, action="increase")
         cols = pl.ds(half * half_dv, half_dv)
         plgpu.barrier_wait(q_bar)
-        words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])]
+        words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])] if n_nodes else []
         run = {"split": compute_split, "duplicate": compute_duplicated, "shared": compute_shared}[config.softmax]
         acc, m_i, l_i = run(half, words, cols)
 
@@ -429,7 +436,9 @@ def _kernel(
         plgpu.copy_smem_to_gmem(o_smem.at[half], o_ref.at[b, split, pl.ds(row0, BLOCK_R), cols])
         if half == 0:
             plgpu.copy_smem_to_gmem(stat_smem.at[2], lse_ref.at[b, split, pl.ds(row0, BLOCK_R)])
-        plgpu.wait_smem_to_gmem(0)
+        # SMEM must outlive the stores' reads; their writes land before the kernel completes (CUTLASS's epilogues
+        # wait the same way). Waiting for the writes too cost 3 % of the verify kernel's stall samples (CCTL.IVALL).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     pl.when(wg == 0)(functools.partial(compute, 0))
     pl.when(wg == 1)(functools.partial(compute, 1))
@@ -438,7 +447,8 @@ def _kernel(
     def _memory():
         plgpu.set_max_registers(config.memory_registers, action="decrease")
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_R)], q_smem, q_bar)
-        plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(row0, BLOCK_R)], words_smem, q_bar)
+        if n_nodes:
+            plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(row0, BLOCK_R)], words_smem, q_bar)
 
         @pl.loop(t_lo, t_hi)
         def _(t):
@@ -455,6 +465,11 @@ def _kernel(
         @pl.loop(jnp.maximum(t_hi - t_lo - stages, 0), t_hi - t_lo)
         def _(step):  # observe the last releases too, so every barrier phase is consumed when the CTA ends
             plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
+
+
+def _kernel_no_tree(prefix_ref, q_ref, kv_ref, o_ref, lse_ref, q_o_smem, kv_smem, *scratch, **params):
+    """`_kernel` for calls without a tree block (n_nodes == 0): no words input, no words SMEM."""
+    _kernel(prefix_ref, q_ref, kv_ref, None, o_ref, lse_ref, q_o_smem, kv_smem, None, *scratch, **params)
 
 
 def sm_count() -> int:
@@ -519,15 +534,21 @@ def mla_attention_mosaic_split(
     rows_pad = pl.cdiv(rows, BLOCK_R) * BLOCK_R
     num_splits = config.num_splits or default_config(b, rows, length, config).num_splits
     qr = jnp.pad(q.reshape(b, rows, dk).astype(latent_cache.dtype), ((0, 0), (0, rows_pad - rows), (0, 0)))
-    words = _tree_words(tree_mask, heads, rows_pad)  # [B, W, rows_pad]
-    n_words = words.shape[1]
+    prefix, words, n_nodes = tree_inputs(tree_mask, prefix_len, heads, rows_pad)
+    tree = [words] if n_nodes else []
+    n_words = words.shape[1] if n_nodes else 0
     if (need := smem_bytes(config, dk, value_dim, n_words)) > SMEM_LIMIT:
         raise ValueError(f"{config} needs {need} B of shared memory (> {SMEM_LIMIT})")
 
     swizzled = (plgpu.TilingTransform((8, config.swizzle // 2)), plgpu.SwizzleTransform(config.swizzle))
     kernel = plgpu.kernel(
         functools.partial(
-            _kernel, scale=float(scale), n_nodes=n, value_dim=value_dim, config=config, num_splits=num_splits
+            _kernel if n_nodes else _kernel_no_tree,
+            scale=float(scale),
+            n_nodes=n_nodes,
+            value_dim=value_dim,
+            config=config,
+            num_splits=num_splits,
         ),
         out_type=(
             jax.ShapeDtypeStruct((b, num_splits, rows_pad, value_dim), latent_cache.dtype),
@@ -539,14 +560,14 @@ def mla_attention_mosaic_split(
                 plgpu.SMEM((2, BLOCK_R, value_dim // 2), latent_cache.dtype, transforms=swizzled),
             ),
             plgpu.SMEM((config.num_stages, block_k, dk), latent_cache.dtype, transforms=swizzled),
-            plgpu.SMEM((n_words, BLOCK_R), jnp.int32),
+            *([plgpu.SMEM((n_words, BLOCK_R), jnp.int32)] if n_nodes else []),
             plgpu.SMEM(
                 (2, BLOCK_R, block_k // 2) if config.softmax == "split" else (BLOCK_R, block_k),
                 latent_cache.dtype,
                 transforms=swizzled,
             ),
             plgpu.SMEM((3, BLOCK_R), jnp.float32),
-            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_arrivals=1 + len(tree)),  # Q and the words land on one barrier
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=2),
@@ -562,9 +583,9 @@ def mla_attention_mosaic_split(
         ),  # row reductions stay in-warp
         interpret=INTERPRET_PARAMS if interpret is True else interpret,
     )
-    o_part, lse = kernel(prefix_len.astype(jnp.int32), qr, latent_cache, words)
-    o = _combine(o_part, lse)[:, :rows]
-    return o.reshape(b, n, heads, value_dim).astype(q.dtype)
+    o_part, lse = kernel(prefix, qr, latent_cache, *tree)
+    o = merge_splits(o_part, lse, rows, q.dtype, config.combine, interpret=bool(interpret))
+    return o.reshape(b, n, heads, value_dim)
 
 
 def mla_attention_mosaic(

@@ -78,10 +78,17 @@ def test_decode_single_node(heads: int):
     rng = np.random.default_rng(heads)
     batch, length = 4, 75
     q, cache, prefix = inputs(rng, batch, 1, heads, length, [0, 5, 48, length - 1])
-    mask = jnp.ones((batch, 1, 1), bool)
+    mask = decode_mask(batch)
+    ref, ref_self = reference(q, cache, prefix, mask), reference(q, cache, prefix, jnp.ones_like(mask))
     for config in (None, MLAConfig(block_r=16, block_k=16, num_splits=4, num_warps=4, num_stages=2)):
         # prefix 0 leaves 3 of the 4 splits without a tile: their empty partials must weigh nothing.
-        assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
+        out = run(q, cache, prefix, mask, config)
+        assert rel_err(out, ref) < 1e-2 and rel_err(out[1], ref_self[1]) > 5e-2
+
+
+def decode_mask(batch: int) -> jax.Array:
+    """`[B, 1, 1]`: every node sees itself but sequence 1's (the kernels fold that bit into the prefix)."""
+    return jnp.ones((batch, 1, 1), bool).at[1].set(False)
 
 
 def builder_masks(rng: np.random.Generator, budget: int, depth: int = 4, vocab: int = 11) -> jax.Array:

@@ -7,23 +7,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-from experiments.mla_common import abstract_inputs
+from experiments.mla_common import abstract_inputs, lower_for_h200
 from pallas_kernels.mla_attention import mla_attention_pallas
 from pallas_kernels.tree_build import build_tree_pallas
-
-H200 = AbstractMesh(
-    (1,),
-    ("x",),
-    axis_types=(AxisType.Auto,),
-    abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
-)
-
-
-def lower_for_h200(fn, *shapes: jax.ShapeDtypeStruct) -> str:
-    with use_abstract_mesh(H200):
-        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def spec(shape, dtype=jnp.float32):

@@ -1,0 +1,91 @@
+"""Merge of split-KV attention partials by log-sum-exp, shared by the Triton and Mosaic GPU MLA kernels.
+
+Each split s of a row wrote a normalised partial output o_s and its log-sum-exp lse_s; the row's output is
+sum_s w_s o_s with w_s = exp(lse_s - max_s lse) / sum_s exp(lse_s - max_s lse). Splits that saw no slot have
+lse = -inf and weigh 0; a row no split saw is 0 / 0 = NaN, as in the reference.
+
+Two ways (`merge_splits(method=...)`):
+  "pallas" (default): one Pallas GPU kernel (Triton lowering) per call; each program reads its rows' partials once
+    and writes the merged rows in the output dtype.
+  "xla": the plain-JAX expression (`combine_xla`), which XLA runs as three kernels (the weights, their
+    normalisation, the weighted sum) plus the output conversion: the reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+COMBINE_METHODS = ("pallas", "xla")
+
+
+def combine_xla(o_part: jax.Array, lse: jax.Array) -> jax.Array:
+    """o_part `[B, S, R, dv]`, lse `[B, S, R]` f32 -> `[B, R, dv]` f32 in plain JAX."""
+    m = jnp.max(lse, axis=1, keepdims=True)
+    w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))  # [B, S, R]; empty splits weigh 0
+    w = w / jnp.sum(w, axis=1, keepdims=True)  # 0 / 0 only for a row that sees no slot (NaN, as the reference)
+    return jnp.sum(w[..., None] * o_part.astype(jnp.float32), axis=1)
+
+
+def _kernel(o_ref, lse_ref, out_ref, *, num_splits: int):
+    """One (row block, sequence) program: o_ref `[S, rb, dv]`, lse_ref `[S, rb]` f32 -> out_ref `[rb, dv]`."""
+    m = lax.fori_loop(0, num_splits, lambda s, m: jnp.maximum(m, lse_ref[s]), jnp.full(lse_ref.shape[1:], -jnp.inf))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+
+    def body(s, carry):
+        acc, l_sum = carry
+        w = jnp.exp(lse_ref[s] - m)
+        return acc + w[:, None] * o_ref[s].astype(jnp.float32), l_sum + w
+
+    acc, l_sum = lax.fori_loop(0, num_splits, body, (jnp.zeros(out_ref.shape, jnp.float32), jnp.zeros_like(m)))
+    out_ref[...] = (acc / l_sum[:, None]).astype(out_ref.dtype)
+
+
+def _row_block(rows: int) -> int:
+    """Rows per program: 16, or 8 when that divides `rows` and 16 does not (8-head trees of odd node counts)."""
+    return 8 if rows % 16 and not rows % 8 else 16
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "dtype", "interpret"))
+def combine_pallas(
+    o_part: jax.Array, lse: jax.Array, rows: int, dtype: jnp.dtype, interpret: bool = False
+) -> jax.Array:
+    """o_part `[B, S, R_pad, dv]`, lse `[B, S, R_pad]` f32 -> `[B, rows, dv]` in `dtype` (rows <= R_pad), in one
+    kernel when R_pad and rows are multiples of the row block (always for 8 or 64 heads), else sliced after."""
+    b, num_splits, rows_pad, dv = o_part.shape
+    rb = _row_block(rows)
+    if rows_pad % rb:
+        raise ValueError(f"padded rows {rows_pad} must be a multiple of {rb}")
+    out_rows = rows if rows % rb == 0 else rows_pad
+    out = pl.pallas_call(
+        functools.partial(_kernel, num_splits=num_splits),
+        grid=(out_rows // rb, b),
+        in_specs=[
+            pl.BlockSpec((None, num_splits, rb, dv), lambda i, bb: (bb, 0, i, 0)),
+            pl.BlockSpec((None, num_splits, rb), lambda i, bb: (bb, 0, i)),
+        ],
+        out_specs=pl.BlockSpec((None, rb, dv), lambda i, bb: (bb, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, out_rows, dv), dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="mla_combine",
+    )(o_part, lse)
+    return out[:, :rows]
+
+
+def merge_splits(
+    o_part: jax.Array, lse: jax.Array, rows: int, dtype: jnp.dtype, method: str = "pallas", interpret: bool = False
+) -> jax.Array:
+    """o_part `[B, S, R_pad, dv]`, lse `[B, S, R_pad]` f32 -> `[B, rows, dv]` in `dtype`. One split: its partial."""
+    if method not in COMBINE_METHODS:
+        raise ValueError(f"combine must be one of {COMBINE_METHODS}, not {method!r}")
+    if o_part.shape[1] == 1:
+        return o_part[:, 0, :rows].astype(dtype)
+    if method == "xla":
+        return combine_xla(o_part, lse)[:, :rows].astype(dtype)
+    return combine_pallas(o_part, lse, rows, jnp.dtype(dtype), interpret=interpret)
