@@ -43,7 +43,7 @@ class MLAConfig:
     num_splits: int = 0
     num_warps: int = 8
     num_stages: int = 2
-    combine: str = "pallas"  # how the splits are merged: mla_combine.COMBINE_METHODS
+    combine: str = "xla"  # how the splits are merged: mla_combine.COMBINE_METHODS
 
     def __post_init__(self):
         if self.combine not in COMBINE_METHODS:

@@ -5,10 +5,12 @@ sum_s w_s o_s with w_s = exp(lse_s - max_s lse) / sum_s exp(lse_s - max_s lse). 
 lse = -inf and weigh 0; a row no split saw is 0 / 0 = NaN, as in the reference.
 
 Two ways (`merge_splits(method=...)`):
-  "pallas" (default): one Pallas GPU kernel (Triton lowering) per call; each program reads its rows' partials once
-    and writes the merged rows in the output dtype.
-  "xla": the plain-JAX expression (`combine_xla`), which XLA runs as three kernels (the weights, their
-    normalisation, the weighted sum) plus the output conversion: the reference path.
+  "xla" (default): the plain-JAX expression (`combine_xla`), which XLA runs as three small kernels (the weights,
+    their normalisation, the weighted sum in the output dtype).
+  "pallas": one Pallas GPU kernel (Triton lowering); each program reads its rows' partials of 128 columns once
+    and writes them merged. Slower in the whole call on the H200 except with many splits (same run, 8192 x 17
+    nodes: 62.8 against 58.5 us at 64 heads x B1, 448 against 425 us at B8, 26.9 against 30.4 us at 8 heads x B1
+    with 43 splits; decode 4096 x B8 x 64: 35.5 against 29.8 us; records bench_mla_combine_*).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-COMBINE_METHODS = ("pallas", "xla")
+COMBINE_METHODS = ("xla", "pallas")
 COLUMN_BLOCK = 128  # output columns per program: with 16 rows, 2,048 elements, 16 per thread of 4 warps
 
 
@@ -78,7 +80,7 @@ def combine_pallas(
 
 
 def merge_splits(
-    o_part: jax.Array, lse: jax.Array, rows: int, dtype: jnp.dtype, method: str = "pallas", interpret: bool = False
+    o_part: jax.Array, lse: jax.Array, rows: int, dtype: jnp.dtype, method: str = "xla", interpret: bool = False
 ) -> jax.Array:
     """o_part `[B, S, R_pad, dv]`, lse `[B, S, R_pad]` f32 -> `[B, rows, dv]` in `dtype`. One split: its partial."""
     if method not in COMBINE_METHODS:

@@ -81,7 +81,8 @@ class MosaicMLAConfig:
       The two versions timed on the H200 were correct but 30-45 % slower: ptxas serialised their wgmmas (C7513;
       notes_mla, sixth round). This one is not serialised (`experiments.ptxas_report`); it is not yet timed.
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
-    combine: how the splits are merged (`mla_combine.merge_splits`): "pallas" (one kernel) or "xla" (reference).
+    combine: how the splits are merged (`mla_combine.merge_splits`): "xla" (three small XLA kernels) or "pallas"
+      (one Pallas kernel; slower but with many splits, bench_mla_combine_*).
     """
 
     block_k: int = 64
@@ -92,7 +93,7 @@ class MosaicMLAConfig:
     swap_fence: bool = False
     compute_registers: int = 232
     overlap: bool = False
-    combine: str = "pallas"
+    combine: str = "xla"
 
     def __post_init__(self):
         if self.softmax not in SOFTMAX_MODES:
