@@ -8,9 +8,8 @@
 #   on request only (STAGES=mla): the MLA kernels' key cells timed in a while loop that carries the cache, as the
 #   engine calls them (bench_mla's default -> bench_mla_carry, the record of issue 5's bars; about 6 min)
 #   and (STAGES=mla_profile) where its warps stall: Nsight Compute's sampled stall locations of the 64-head decode
-#   and verify calls, per SASS instruction (profiles/ncu_mla_source.csv, from the saved report
-#   profiles/ncu_mla_source.ncu-rep), and the overlapped split softmax and 240 registers per compute thread,
-#   checked and timed beside the default (bench_mla_tilings; at most 7 min)
+#   and verify calls, per SASS instruction (profiles/ncu_mla_source.csv.gz, from the saved report
+#   profiles/ncu_mla_source.ncu-rep), summarised by experiments.ncu_stalls (ncu_mla_stalls; about 1 min)
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -29,7 +28,7 @@ EXACT_S=${EXACT_S:-120}
 BENCH_LAYERS=${BENCH_LAYERS:-4}  # the projection scales one measured MoE layer to 61; 0: as many as fit
 TREE_S=${TREE_S:-200}
 MLA_S=${MLA_S:-560}
-PROFILE_S=${PROFILE_S:-420}
+PROFILE_S=${PROFILE_S:-120}
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 REPEATS=${REPEATS:-3}
 MAX_NEW=${MAX_NEW:-128}
@@ -71,14 +70,13 @@ if want mla_profile; then
   mkdir -p "$RES/profiles"
   # No preallocation: ncu saves and restores the GPU memory XLA holds around every kernel replay. The CLI prints
   # only a summary of SourceCounters; the per-instruction stall table comes from the saved report's source page.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false stage mla_ncu $((PROFILE_S / 4)) "$NCU" -f -o "$RES/profiles/ncu_mla_source" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false stage mla_ncu "$PROFILE_S" "$NCU" -f -o "$RES/profiles/ncu_mla_source" \
     -k regex:mosaic --section SourceCounters --section WarpStateStats \
     "$PY" -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64
   stage mla_ncu_source 30 "$NCU" -i "$RES/profiles/ncu_mla_source.ncu-rep" --page source --csv --print-source sass \
     --log-file "$RES/profiles/ncu_mla_source.csv"
-  stage mla_tilings $((PROFILE_S * 3 / 4)) "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
-    --contexts=8192 --nodes=1,17 --batches=8,32 --heads=64 --kernels=mosaic --mosaic_tiling=overlap=true \
-    --mosaic_tiling=overlap=true,compute_registers=240 --mosaic_tiling=compute_registers=240 --name=bench_mla_tilings
+  gzip -f "$RES/profiles/ncu_mla_source.csv"
+  stage mla_stalls 60 "$PY" -m experiments.ncu_stalls --csv="$RES/profiles/ncu_mla_source.csv.gz" --out_dir="$RES"
 fi
 "$PY" -m experiments.report --results_dir="$RES"
 echo "== total ${SECONDS}s; results in $RES"
