@@ -478,6 +478,7 @@ def kernel_section(d: Path) -> list[str]:
     for name in (
         "bench_moe",
         "bench_mla_carry",
+        "bench_mla_combine_key",
         "bench_mla",
         "bench_tree_build",
         "bench_tree_build_e2e",

@@ -78,8 +78,9 @@ class MosaicMLAConfig:
       barrier, so the fence is not needed: off by default (1-8 % faster, bench_mla_tilings_verify).
     overlap: software-pipeline the split softmax's tiles (`compute_split`): each step's own-half P V runs on the
       tensor cores under the next tile's softmax, and S of the next tile is issued beside the other half's P V.
-      The two versions timed on the H200 were correct but 30-45 % slower: ptxas serialised their wgmmas (C7513;
-      notes_mla, sixth round). This one is not serialised (`experiments.ptxas_report`); it is not yet timed.
+      The first two versions were serialised by ptxas (C7513; notes_mla, sixth round); this one is not
+      (`experiments.ptxas_report`) but is still 1.1-1.4x slower than the default at decode and verify on the H200
+      (more registers, spills; bench_mla_overlap_verify, notes_mla seventh round).
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
     combine: how the splits are merged (`mla_combine.merge_splits`): "xla" (three small XLA kernels) or "pallas"
       (one Pallas kernel; slower but with many splits, bench_mla_combine_*).
