@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.mla_combine import COMBINE_METHODS, merge_splits
+from pallas_kernels.mla_combine import check_combine, merge_splits
 
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
@@ -46,8 +46,7 @@ class MLAConfig:
     combine: str = "xla"  # how the splits are merged: mla_combine.COMBINE_METHODS
 
     def __post_init__(self):
-        if self.combine not in COMBINE_METHODS:
-            raise ValueError(f"combine must be one of {COMBINE_METHODS}: {self}")
+        check_combine(self.combine, self)
 
 
 def default_config(batch: int, rows: int, max_len: int) -> MLAConfig:
@@ -91,15 +90,15 @@ def _tree_words(tree_mask: jax.Array, heads: int, rows_pad: int) -> jax.Array:
 
 def tree_inputs(
     tree_mask: jax.Array, prefix_len: jax.Array, heads: int, rows_pad: int
-) -> tuple[jax.Array, jax.Array | None, int]:
-    """What the kernels take of the tree: (visible prefix `[B]` int32, ancestor words `[B, W, rows_pad]` int32 or
-    None, tree nodes the kernel masks). One node (decode) needs no words: its one tree slot is folded into the
-    prefix (prefix_len + tree_mask[:, 0, 0]) and the kernel sees no tree block."""
+) -> tuple[jax.Array, list[jax.Array], int]:
+    """What the kernels take of the tree: (visible prefix `[B]` int32, the kernel's tree inputs: [ancestor words
+    `[B, W, rows_pad]` int32] or [], tree nodes the kernel masks). One node (decode) needs no words: its one tree
+    slot is folded into the prefix (prefix_len + tree_mask[:, 0, 0]) and the kernel sees no tree block."""
     prefix_len = prefix_len.astype(jnp.int32)
     n = tree_mask.shape[1]
     if n == 1:
-        return prefix_len + tree_mask[:, 0, 0].astype(jnp.int32), None, 0
-    return prefix_len, _tree_words(tree_mask, heads, rows_pad), n
+        return prefix_len + tree_mask[:, 0, 0].astype(jnp.int32), [], 0
+    return prefix_len, [_tree_words(tree_mask, heads, rows_pad)], n
 
 
 def _tree_visible(words: list[jax.Array], rel: jax.Array, n_nodes: int) -> jax.Array:
@@ -225,8 +224,7 @@ def mla_attention_split(
     rows_pad = pl.cdiv(rows, block_r) * block_r
     num_splits = config.num_splits or _auto_splits(b * rows_pad // block_r, length, block_k)
     qr = jnp.pad(q.reshape(b, rows, dk).astype(latent_cache.dtype), ((0, 0), (0, rows_pad - rows), (0, 0)))
-    prefix, words, n_nodes = tree_inputs(tree_mask, prefix_len, heads, rows_pad)
-    tree = [words] if n_nodes else []
+    prefix, tree, n_nodes = tree_inputs(tree_mask, prefix_len, heads, rows_pad)
 
     kernel = functools.partial(
         _kernel, scale=float(scale), n_nodes=n_nodes, value_dim=value_dim, block_k=block_k, num_splits=num_splits

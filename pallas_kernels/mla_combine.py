@@ -26,6 +26,12 @@ COMBINE_METHODS = ("xla", "pallas")
 COLUMN_BLOCK = 128  # output columns per program: with 16 rows, 2,048 elements, 16 per thread of 4 warps
 
 
+def check_combine(method: str, owner: object = None) -> None:
+    """A ValueError naming `method` (and the config `owner` it came from) unless it is one of COMBINE_METHODS."""
+    if method not in COMBINE_METHODS:
+        raise ValueError(f"combine must be one of {COMBINE_METHODS}, not {method!r}" + (f": {owner}" if owner else ""))
+
+
 def combine_xla(o_part: jax.Array, lse: jax.Array) -> jax.Array:
     """o_part `[B, S, R, dv]`, lse `[B, S, R]` f32 -> `[B, R, dv]` f32 in plain JAX."""
     m = jnp.max(lse, axis=1, keepdims=True)
@@ -83,8 +89,7 @@ def merge_splits(
     o_part: jax.Array, lse: jax.Array, rows: int, dtype: jnp.dtype, method: str = "xla", interpret: bool = False
 ) -> jax.Array:
     """o_part `[B, S, R_pad, dv]`, lse `[B, S, R_pad]` f32 -> `[B, rows, dv]` in `dtype`. One split: its partial."""
-    if method not in COMBINE_METHODS:
-        raise ValueError(f"combine must be one of {COMBINE_METHODS}, not {method!r}")
+    check_combine(method)
     if o_part.shape[1] == 1:
         return o_part[:, 0, :rows].astype(dtype)
     if method == "xla":

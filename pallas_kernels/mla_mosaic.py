@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_interpret
 from pallas_kernels.mla_attention import tree_inputs
-from pallas_kernels.mla_combine import COMBINE_METHODS, merge_splits
+from pallas_kernels.mla_combine import check_combine, merge_splits
 
 BLOCK_R = 64  # query rows per CTA (one wgmma M tile)
 SMEM_LIMIT = 232_448  # bytes of shared memory one CTA may use on an H100 / H200
@@ -101,8 +101,7 @@ class MosaicMLAConfig:
             raise ValueError(f"softmax must be one of {SOFTMAX_MODES}: {self}")
         if self.compute_registers % 8 or not 128 <= self.compute_registers <= 240:
             raise ValueError(f"compute_registers must be a multiple of 8 in [128, 240]: {self}")
-        if self.combine not in COMBINE_METHODS:
-            raise ValueError(f"combine must be one of {COMBINE_METHODS}: {self}")
+        check_combine(self.combine, self)
         if self.overlap and self.softmax != "split":
             raise ValueError(f"overlap pipelines the split softmax only: {self}")
         if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
@@ -537,9 +536,8 @@ def mla_attention_mosaic_split(
     rows_pad = pl.cdiv(rows, BLOCK_R) * BLOCK_R
     num_splits = config.num_splits or default_config(b, rows, length, config).num_splits
     qr = jnp.pad(q.reshape(b, rows, dk).astype(latent_cache.dtype), ((0, 0), (0, rows_pad - rows), (0, 0)))
-    prefix, words, n_nodes = tree_inputs(tree_mask, prefix_len, heads, rows_pad)
-    tree = [words] if n_nodes else []
-    n_words = words.shape[1] if n_nodes else 0
+    prefix, tree, n_nodes = tree_inputs(tree_mask, prefix_len, heads, rows_pad)
+    n_words = sum(w.shape[1] for w in tree)
     if (need := smem_bytes(config, dk, value_dim, n_words)) > SMEM_LIMIT:
         raise ValueError(f"{config} needs {need} B of shared memory (> {SMEM_LIMIT})")
 
@@ -563,7 +561,7 @@ def mla_attention_mosaic_split(
                 plgpu.SMEM((2, BLOCK_R, value_dim // 2), latent_cache.dtype, transforms=swizzled),
             ),
             plgpu.SMEM((config.num_stages, block_k, dk), latent_cache.dtype, transforms=swizzled),
-            *([plgpu.SMEM((n_words, BLOCK_R), jnp.int32)] if n_nodes else []),
+            *[plgpu.SMEM((w.shape[1], BLOCK_R), jnp.int32) for w in tree],
             plgpu.SMEM(
                 (2, BLOCK_R, block_k // 2) if config.softmax == "split" else (BLOCK_R, block_k),
                 latent_cache.dtype,

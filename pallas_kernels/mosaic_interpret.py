@@ -214,8 +214,11 @@ def install() -> None:
     if _installed:
         return
     cls = interp.JaxprInterpreter
-    patches = {"interpret": _interpret, "_interpret_wgmma_ref_p": _interpret_wgmma}
-    patches["_interpret_swap_p"] = _interpret_swap
+    patches = {
+        "interpret": _interpret,
+        "_interpret_wgmma_ref_p": _interpret_wgmma,
+        "_interpret_swap_p": _interpret_swap,
+    }
     for name, patch in patches.items():
         setattr(cls, name, _before(getattr(cls, name), patch))
     _installed = True
