@@ -225,6 +225,7 @@ def kernel(
     label += f"r{cfg.compute_registers}" if cfg.compute_registers != DEFAULT_TILING.compute_registers else ""
     label += "" if cfg.swap_fence == DEFAULT_TILING.swap_fence else ("fence" if cfg.swap_fence else "nf")
     label += "ov" if cfg.overlap else ""
+    label += "m1" if cfg.meetings == 1 else ""
     label += "" if cfg.combine == DEFAULT_TILING.combine else f"c{cfg.combine}"
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(

@@ -81,6 +81,12 @@ class MosaicMLAConfig:
       The first two versions were serialised by ptxas (C7513; notes_mla, sixth round); this one is not
       (`experiments.ptxas_report`) but is still 1.1-1.4x slower than the default at decode and verify on the H200
       (more registers, spills; bench_mla_overlap_verify, notes_mla seventh round).
+    meetings: warpgroup meetings per tile of the split softmax (`compute_split`). 2: the row maxima are agreed at
+      the first and the P halves exchanged at the second (the other's half then read by wgmma from SMEM). 1: each
+      publishes its P half computed against its own running maximum together with its tile row maximum, and after
+      the one meeting reads the other's half into registers and rescales both halves to the agreed maximum (a
+      factor of 1 unless a row's maximum grew); a one-way barrier per half (`p_bars`) keeps a warpgroup from
+      overwriting a half the other has not read yet.
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
     combine: how the splits are merged (`mla_combine.merge_splits`): "xla" (three small XLA kernels) or "pallas"
       (one Pallas kernel; slower but with many splits, bench_mla_combine_*).
@@ -95,6 +101,7 @@ class MosaicMLAConfig:
     compute_registers: int = 232
     overlap: bool = False
     combine: str = "xla"
+    meetings: int = 2
 
     def __post_init__(self):
         if self.softmax not in SOFTMAX_MODES:
@@ -104,6 +111,8 @@ class MosaicMLAConfig:
         check_combine(self.combine, self)
         if self.overlap and self.softmax != "split":
             raise ValueError(f"overlap pipelines the split softmax only: {self}")
+        if self.meetings not in (1, 2) or (self.meetings == 1 and (self.softmax != "split" or self.overlap)):
+            raise ValueError(f"meetings is 2, or 1 with the split softmax and no overlap: {self}")
         if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
             raise ValueError(f"P V's K dim (block_k, halved by the split softmax) must be a multiple of 32: {self}")
 
@@ -175,7 +184,8 @@ def _kernel(
     `[stages, block_k, dk]`, words_smem `[W, 64]`, p_smem (shared softmax: the last published P `[64, block_k]`;
     split: the two P halves `[2, 64, block_k / 2]`) and stat_smem `[3, 64]` f32 (rows 0, 1: shared: that P's
     running max and sum; split: each warpgroup's row maximum, at the end its row sum; row 2: the output LSE).
-    Every SMEM buffer is placed at a 1 KiB boundary, so the small ones share one.
+    Every SMEM buffer is placed at a 1 KiB boundary, so the small ones share one. p_bars[h]: shared softmax:
+    warpgroup h published P; split with one meeting: the other warpgroup has read P half h and row maximum h.
     """
     block_k, stages = config.block_k, config.num_stages
     q_smem, o_smem = q_o_smem
@@ -312,7 +322,8 @@ def _kernel(
         """Warpgroup `half` computes S and P for slots [half * block_k / 2, (half + 1) * block_k / 2) of every tile;
         the two exchange their row maxima (stat_smem rows 0, 1) and P halves (p_smem) at two meetings on sched_bar
         (`schedule`) per tile, and each adds P V for its columns: its own P half from registers, the other's from
-        SMEM. The row sums stay per half until the end. config.overlap: `overlapped` runs the tiles instead."""
+        SMEM. The row sums stay per half until the end. config.overlap: `overlapped` runs the tiles instead;
+        config.meetings == 1: `tile_one_meeting`."""
         hk = block_k // 2
         own, other = pl.ds(half * hk, hk), pl.ds((1 - half) * hk, hk)
 
@@ -357,6 +368,42 @@ def _kernel(
             acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
             plgpu.barrier_arrive(free_bars.at[slot])
             return acc, m_new, l_i
+
+        def tile_one_meeting(t, carry, masked: bool):
+            """`tile` with one meeting: P half against max(running max, own tile maximum), published with that
+            tile maximum; after the meeting both halves are rescaled to the agreed maximum in registers (each
+            warpgroup computes the same maximum and factors, so the two use the same bf16 P)."""
+            acc, m_i, l_i = carry
+            slot = lax.rem(t - t_lo, stages)
+            s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
+            m_tile = s.max(axis=1)
+            m_ref = jnp.maximum(m_i, m_tile)
+            p = jnp.exp2(s - row_bcast(m_ref, s))
+
+            @pl.when(t > t_lo)
+            def _():  # the other warpgroup has read the half and maximum published at the previous tile
+                plgpu.barrier_wait(p_bars.at[half])
+
+            p16 = p.astype(kv_smem.dtype)
+            p_smem.at[half][...] = p16
+            stat_smem.at[half][...] = m_tile
+            schedule()  # the one meeting: ordinary stores before it, ordinary loads after (no async-proxy fence)
+            m_other = plgpu.load(stat_smem.at[1 - half], layout=_ROW)
+            p_other = plgpu.load(p_smem.at[1 - half], layout=plgpu.Layout.WGMMA)
+            plgpu.barrier_arrive(p_bars.at[1 - half])
+            m_new = jnp.maximum(m_ref, m_other)
+            alpha, c_own = jnp.exp2(m_i - m_new), jnp.exp2(m_ref - m_new)
+            c_other = jnp.exp2(jnp.maximum(m_i, m_other) - m_new)
+            rescale = lambda x, c: (x.astype(jnp.float32) * row_bcast(c, x)).astype(kv_smem.dtype)
+            p_own, p_other = rescale(p16, c_own), rescale(p_other, c_other)
+
+            def body(acc_ref):
+                plgpu.wgmma(acc_ref, p_own, kv_smem.at[slot, own, cols])
+                plgpu.wgmma(acc_ref, p_other, kv_smem.at[slot, other, cols])
+
+            acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
+            plgpu.barrier_arrive(free_bars.at[slot])
+            return acc, m_new, l_i * alpha + p.sum(axis=1) * c_own
 
         def overlapped():
             """The tiles software-pipelined: step t issues S of tile t + 1, P_t V_t for the other warpgroup's P half
@@ -412,8 +459,15 @@ def _kernel(
         if config.overlap:
             acc, m_i, l_i = overlapped()
         else:
-            carry = lax.fori_loop(t_lo, t_full, functools.partial(tile, masked=False), init_carry())
-            acc, m_i, l_i = lax.fori_loop(t_full, t_hi, functools.partial(tile, masked=True), carry)
+            step = tile_one_meeting if config.meetings == 1 else tile
+            carry = lax.fori_loop(t_lo, t_full, functools.partial(step, masked=False), init_carry())
+            acc, m_i, l_i = lax.fori_loop(t_full, t_hi, functools.partial(step, masked=True), carry)
+            if config.meetings == 1:  # the other warpgroup has read the last tile maximum before swap reuses it
+
+                @pl.when(t_hi > t_lo)
+                def _():
+                    plgpu.barrier_wait(p_bars.at[half])
+
         return acc, m_i, l_i + swap(l_i)
 
     def compute(half: int):

@@ -67,6 +67,7 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (2, 17, 64, 1000, MosaicMLAConfig(compute_registers=240)),
         (4, 1, 64, 4000, MosaicMLAConfig(overlap=True)),
         (1, 33, 8, 8200, MosaicMLAConfig(overlap=True, swap_fence=True)),
+        (2, 17, 64, 8192, MosaicMLAConfig(meetings=1)),
     ],
 )
 def test_lowers_for_cuda(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None):
@@ -111,6 +112,9 @@ def test_config_checks():
         MosaicMLAConfig(compute_registers=248)
     with pytest.raises(ValueError, match="overlap pipelines the split softmax only"):
         MosaicMLAConfig(softmax="shared", overlap=True)
+    for bad in (dict(meetings=3), dict(meetings=1, softmax="duplicate"), dict(meetings=1, overlap=True)):
+        with pytest.raises(ValueError, match="meetings"):
+            MosaicMLAConfig(**bad)
     with pytest.raises(ValueError, match="multiple of 32"):
         MosaicMLAConfig(block_k=32)  # split S would leave P V a K dim of 16
 
@@ -118,6 +122,7 @@ def test_config_checks():
 SPLIT = MosaicMLAConfig(num_splits=3)
 DUPLICATE = MosaicMLAConfig(num_splits=3, softmax="duplicate")
 OVERLAP = MosaicMLAConfig(num_splits=3, overlap=True)
+ONE_MEETING = MosaicMLAConfig(num_splits=3, meetings=1)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +133,9 @@ OVERLAP = MosaicMLAConfig(num_splits=3, overlap=True)
         (17, MosaicMLAConfig(num_splits=3, softmax="shared")),
         (17, MosaicMLAConfig(num_splits=3, swap_fence=True)),
         (17, OVERLAP),
+        (17, ONE_MEETING),
         (33, SPLIT),
+        (33, ONE_MEETING),
         (33, OVERLAP),
         (33, DUPLICATE),
     ],
@@ -167,7 +174,11 @@ def test_decode_single_node(heads: int):
     q, cache, prefix = inputs(rng, batch, 1, heads, length, [0, 5, 130, length - 1])
     mask = decode_mask(batch)
     ref, ref_self = reference(q, cache, prefix, mask), reference(q, cache, prefix, jnp.ones_like(mask))
-    configs = [MosaicMLAConfig(num_splits=4, softmax="duplicate"), MosaicMLAConfig(num_splits=4, overlap=True)]
+    configs = [
+        MosaicMLAConfig(num_splits=4, softmax="duplicate"),
+        MosaicMLAConfig(num_splits=4, overlap=True),
+        MosaicMLAConfig(num_splits=4, meetings=1),
+    ]
     for config in (None, MosaicMLAConfig(num_splits=4), *configs):
         out = run(q, cache, prefix, mask, config)
         assert rel_err(out, ref) < 1e-2 and rel_err(out[1], ref_self[1]) > 5e-2
@@ -176,7 +187,7 @@ def test_decode_single_node(heads: int):
 @pytest.mark.parametrize(
     "config",
     [MosaicMLAConfig(num_splits=2, softmax=mode) for mode in ("shared", "duplicate")]
-    + [MosaicMLAConfig(), MosaicMLAConfig(overlap=True)],
+    + [MosaicMLAConfig(), MosaicMLAConfig(overlap=True), MosaicMLAConfig(meetings=1)],
 )
 def test_causal_block(config: MosaicMLAConfig):
     """A causal 40-node block (two ancestor words), the three ways of splitting the softmax work."""
