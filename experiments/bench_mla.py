@@ -226,6 +226,7 @@ def kernel(
     label += "" if cfg.swap_fence == DEFAULT_TILING.swap_fence else ("fence" if cfg.swap_fence else "nf")
     label += "ov" if cfg.overlap else ""
     label += "m1" if cfg.meetings == 1 else ""
+    label += "" if cfg.schedule == "grid" else f"pers{cfg.ctas or ''}"
     label += "" if cfg.combine == DEFAULT_TILING.combine else f"c{cfg.combine}"
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(

@@ -10,6 +10,9 @@
 #   and (STAGES=mla_profile) where its warps stall: Nsight Compute's sampled stall locations of the 64-head decode
 #   and verify calls, per SASS instruction (profiles/ncu_mla_source.csv.gz, from the saved report
 #   profiles/ncu_mla_source.ncu-rep), summarised by experiments.ncu_stalls (ncu_mla_stalls; about 1 min)
+#   and (STAGES=mla_schedule) the Mosaic variants not yet timed against the default, same run: the persistent
+#   schedule and one meeting per tile, verify at 8192 x {17, 33} nodes x B{1, 8} x 64 heads with GPU checks
+#   (bench_mla_schedule_verify) and 64-head decode at {4096, 8192} x B{8, 32} (bench_mla_schedule_decode); about 9 min
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -66,6 +69,13 @@ want tree && stage tree "$TREE_S" "$PY" -m experiments.bench_tree_build --out_di
   --batches=1,32 --e2e_budgets=8,16
 want mla && stage mla "$MLA_S" "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=key \
   --kernels=triton,mosaic --name=bench_mla_carry
+MLA_VARIANTS=(--kernels=mosaic --mosaic_tiling=schedule=persistent --mosaic_tiling=meetings=1
+  --mosaic_tiling=schedule=persistent,meetings=1)
+want mla_schedule && stage mla_schedule_verify 330 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
+  --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64 "${MLA_VARIANTS[@]}" --name=bench_mla_schedule_verify
+want mla_schedule && stage mla_schedule_decode 200 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
+  --contexts=4096,8192 --nodes=1 --batches=8,32 --heads=64 "${MLA_VARIANTS[@]}" --check=false \
+  --name=bench_mla_schedule_decode
 if want mla_profile; then
   mkdir -p "$RES/profiles"
   # No preallocation: ncu saves and restores the GPU memory XLA holds around every kernel replay. The CLI prints

@@ -3,7 +3,7 @@
 Semantics are those of `reference.mla_attention_reference`; the entry points mirror `mla_attention.py`
 (`mla_attention_mosaic` ~ `mla_attention_pallas`, `mla_attention_mosaic_split` ~ `mla_attention_split`).
 
-Work layout (FlashMLA-like, simplest form):
+Work layout (FlashMLA-like):
 
 * The `N * Hq` query rows of one sequence (row = node * Hq + head) are padded to blocks of 64 rows; one CTA
   handles one 64-row block against one split (a contiguous range of `block_k`-slot KV tiles, only tiles below
@@ -13,7 +13,8 @@ Work layout (FlashMLA-like, simplest form):
   f32 accumulator = 128 registers per thread).
 * Three ways to split the S / softmax work between them (`MosaicMLAConfig.softmax`):
   - "split" (the default): each warpgroup computes S for half of every tile's slots; they exchange row maxima and
-    P halves through SMEM, and each adds P V for its columns over the whole tile. No MMA work is repeated;
+    P halves through SMEM, and each adds P V for its columns over the whole tile. No MMA work is repeated. Two
+    meetings per tile, or one with `meetings=1` (not yet timed: the halves are rescaled after the meeting);
   - "duplicate": both warpgroups compute S = Q K^T and the masked online softmax of every tile (a third of the MMA
     work is then repeated, at 576 / 512 dims) with an FA3 ping-pong schedule barrier between them;
   - "shared": the tiles alternate between the warpgroups; the owner of a tile computes S and the softmax and
@@ -24,6 +25,9 @@ Work layout (FlashMLA-like, simplest form):
   folds its one node into the prefix and takes no words).
 * Each CTA writes a normalised bf16 partial `[64, 512]` (staged in Q's SMEM) and its f32 log-sum-exp;
   `mla_combine.merge_splits` merges the splits.
+* `MosaicMLAConfig.schedule="persistent"` (not yet timed on a GPU) launches one CTA per SM instead; each takes an
+  equal contiguous range of (sequence, row block, tile) units (`persistent_schedule`, FlashMLA-like) and runs
+  the per-row-block work above once per row block its range touches, writing one partial each.
 
 SMEM: Q 72 KiB + num_stages * block_k * 1152 B (block_k 64 x 2 stages: 144 KiB) + P 8 KiB + 1 KiB each for the tree
 words and the max / sum / LSE rows + barriers = 231,496 B of the 232,448 an H200 CTA may use (every buffer starts at
@@ -54,6 +58,7 @@ _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 SOFTMAX_MODES = ("split", "duplicate", "shared")  # MosaicMLAConfig.softmax
+SCHEDULES = ("grid", "persistent")  # MosaicMLAConfig.schedule
 # Registers per thread the 384-thread CTA launches with: 64K per SM, in steps of 8 (168, as ncu reports).
 LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
 # Interpret mode as the hardware behaves here: TMA reads past the cache end give zeros.
@@ -88,6 +93,12 @@ class MosaicMLAConfig:
       factor of 1 unless a row's maximum grew); a one-way barrier per half (`p_bars`) keeps a warpgroup from
       overwriting a half the other has not read yet.
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
+    schedule: how the work is laid out on CTAs.
+      "grid" (default): one CTA per (row block, split, sequence); `num_splits` splits of the context.
+      "persistent": `ctas` CTAs (0: one per SM) each take an equal contiguous range of the (sequence, row block,
+        tile) units, FlashMLA-like (`persistent_schedule`): no wave quantisation, one Q load and one partial per
+        row block a CTA touches (typically one or two) instead of one per split. `num_splits` then caps the
+        partials per row block (0: `persistent_pieces`). Not yet timed on a GPU.
     combine: how the splits are merged (`mla_combine.merge_splits`): "xla" (three small XLA kernels) or "pallas"
       (one Pallas kernel; slower but with many splits, bench_mla_combine_*).
     """
@@ -102,6 +113,8 @@ class MosaicMLAConfig:
     overlap: bool = False
     combine: str = "xla"
     meetings: int = 2
+    schedule: str = "grid"
+    ctas: int = 0
 
     def __post_init__(self):
         if self.softmax not in SOFTMAX_MODES:
@@ -109,6 +122,10 @@ class MosaicMLAConfig:
         if self.compute_registers % 8 or not 128 <= self.compute_registers <= 240:
             raise ValueError(f"compute_registers must be a multiple of 8 in [128, 240]: {self}")
         check_combine(self.combine, self)
+        if self.schedule not in SCHEDULES or self.ctas < 0 or self.num_splits < 0:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, ctas and num_splits >= 0: {self}")
+        if self.schedule == "persistent" and self.num_splits == 1:
+            raise ValueError(f"the persistent schedule needs num_splits (partials per row block) 0 or >= 2: {self}")
         if self.overlap and self.softmax != "split":
             raise ValueError(f"overlap pipelines the split softmax only: {self}")
         if self.meetings not in (1, 2) or (self.meetings == 1 and (self.softmax != "split" or self.overlap)):
@@ -147,11 +164,13 @@ def smem_bytes(config: MosaicMLAConfig, dk: int = 576, value_dim: int = 512, n_w
         2 * BLOCK_R * config.block_k,
         4 * 3 * BLOCK_R,
     )
-    return sum(map(kib, buffers)) + 8 * (1 + 2 * config.num_stages + 2 + 2)
+    barriers = 1 + 2 * config.num_stages + 2 + 2 + (config.schedule == "persistent")
+    return sum(map(kib, buffers)) + 8 * barriers
 
 
 def _kernel(
     prefix_ref,
+    sched_ref,
     q_ref,
     kv_ref,
     words_ref,
@@ -168,6 +187,7 @@ def _kernel(
     sched_bar,
     done_bar,
     p_bars,
+    q_free,
     *,
     scale: float,
     n_nodes: int,
@@ -175,357 +195,425 @@ def _kernel(
     config: MosaicMLAConfig,
     num_splits: int,
 ):
-    """One (row block, split, sequence) CTA of three warpgroups ("wg" 0, 1: compute; 2: memory).
+    """One CTA of three warpgroups ("wg" 0, 1: compute; 2: memory): one (row block, split, sequence) on the grid
+    schedule, a contiguous range of (sequence, row block, tile) units on the persistent one (`for_each_segment`).
 
-    GMEM: prefix_ref `[B]` int32, q_ref `[B, R, dk]`, kv_ref `[B, L, dk]`, words_ref `[B, W, R]` int32 (None,
-    with words_smem, when n_nodes == 0: no tree block, `_kernel_no_tree`);
-    outputs o_ref `[B, S, R, dv]` bf16 (normalised partials), lse_ref `[B, S, R]` f32.
+    GMEM: prefix_ref `[B]` int32, sched_ref `[B + 2]` int32 (persistent schedule, else None), q_ref `[B, R, dk]`,
+    kv_ref `[B, L, dk]`, words_ref `[B, W, R]` int32 (None, with words_smem, when n_nodes == 0: no tree block);
+    outputs o_ref `[B, S, R, dv]` bf16 (normalised partials: S splits or pieces), lse_ref `[B, S, R]` f32.
     SMEM: q_o_smem = (Q `[64, dk]`, the output `[2, 64, dv / 2]` in the same memory), kv_smem
     `[stages, block_k, dk]`, words_smem `[W, 64]`, p_smem (shared softmax: the last published P `[64, block_k]`;
     split: the two P halves `[2, 64, block_k / 2]`) and stat_smem `[3, 64]` f32 (rows 0, 1: shared: that P's
     running max and sum; split: each warpgroup's row maximum, at the end its row sum; row 2: the output LSE).
     Every SMEM buffer is placed at a 1 KiB boundary, so the small ones share one. p_bars[h]: shared softmax:
     warpgroup h published P; split with one meeting: the other warpgroup has read P half h and row maximum h.
+    q_free (persistent schedule, else None): both compute warpgroups' output stores have read SMEM.
     """
     block_k, stages = config.block_k, config.num_stages
     q_smem, o_smem = q_o_smem
     half_dv = value_dim // 2
     wg = lax.axis_index("wg")
-    b = lax.axis_index("batch")
-    split = lax.axis_index("split")
-    row0 = lax.axis_index("rows") * BLOCK_R
     qk_scale = scale * _LOG2E
 
-    prefix = prefix_ref[b]
-    total = prefix + n_nodes
-    n_tiles = lax.div(total + (block_k - 1), block_k)
-    per_split = lax.div(n_tiles + (num_splits - 1), num_splits)
-    t_lo = jnp.minimum(split * per_split, n_tiles)
-    t_hi = jnp.minimum(t_lo + per_split, n_tiles)
-    t_full = jnp.clip(lax.div(prefix, block_k), t_lo, t_hi)  # tiles [t_lo, t_full) lie wholly inside the prefix
+    def tiles_of(prefix):
+        """KV tiles of a sequence with this visible prefix: the prefix and the tree block."""
+        return lax.div(prefix + n_nodes + (block_k - 1), block_k)
 
-    def schedule():
-        plgpu.barrier_arrive(sched_bar)
-        plgpu.barrier_wait(sched_bar)
+    def for_each_segment(body) -> jax.Array:
+        """body(b, prefix_ref[b], row0, piece, t_lo, t_hi, first) for each segment (tiles [t_lo, t_hi) of one row
+        block) of this CTA; returns how many ran. Grid: the CTA's (row block, split, sequence), piece = split.
+        Persistent (sched_ref = [unit offsets of the B sequences, total units, units per CTA]): units are
+        (sequence, row block, tile) in that order; CTA c takes units [c * per_cta, (c + 1) * per_cta) and
+        piece = c minus the first CTA of the row block (`persistent_schedule`)."""
+        if sched_ref is None:
+            b, split = lax.axis_index("batch"), lax.axis_index("split")  # one segment
+            prefix = prefix_ref[b]
+            n_tiles = tiles_of(prefix)
+            per_split = lax.div(n_tiles + (num_splits - 1), num_splits)
+            t_lo = jnp.minimum(split * per_split, n_tiles)
+            body(b, prefix, lax.axis_index("rows") * BLOCK_R, split, t_lo, jnp.minimum(t_lo + per_split, n_tiles), True)
+            return jnp.int32(1)
+        batch = prefix_ref.shape[0]
+        cta, per_cta = lax.axis_index("cta"), sched_ref[batch + 1]
+        u_hi = jnp.minimum(cta * per_cta + per_cta, sched_ref[batch])
 
-    def row_bcast(v, like):
-        return lax.broadcast_in_dim(v, like.shape, [0])
+        def segment(carry):
+            u, k = carry  # the next unit, the segments run so far
+            # The last sequence starting at or before u (a sequence with no tiles starts where the next one does).
+            b = functools.reduce(jnp.add, [(sched_ref[j] <= u).astype(jnp.int32) for j in range(1, batch)], 0)
+            start, prefix = sched_ref[b], prefix_ref[b]
+            n_tiles = tiles_of(prefix)
+            row_block = lax.div(u - start, n_tiles)
+            block_start = start + row_block * n_tiles
+            end = jnp.minimum(u_hi, block_start + n_tiles)
+            piece = cta - lax.div(block_start, per_cta)
+            body(b, prefix, row_block * BLOCK_R, piece, u - block_start, end - block_start, k == 0)
+            return end, k + 1
 
-    def scores(t, slot, words, masked: bool, ping_pong: bool, first: int = 0, width: int = block_k):
-        """S = Q K^T * scale * log2(e) `[64, width]` f32 over slots [first, first + width) of tile t once it has
-        landed in `slot`; masked: slots past the visible length and tree slots that are not ancestors are -inf."""
-        plgpu.barrier_wait(kv_bars.at[slot])
+        return lax.while_loop(lambda c: c[0] < u_hi, segment, (cta * per_cta, jnp.int32(0)))[1]
 
-        def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot, pl.ds(first, width)].transpose((1, 0)))
-            if ping_pong:
+    def run_segment(role: int, b, prefix, row0, piece, t_lo, t_hi, first_segment):
+        """Warpgroup `role`'s work on one segment: tiles [t_lo, t_hi) of sequence b's row block at row0, written
+        as partial `piece`."""
+        total = prefix + n_nodes
+        t_full = jnp.clip(lax.div(prefix, block_k), t_lo, t_hi)  # tiles [t_lo, t_full) lie wholly inside the prefix
+
+        def schedule():
+            plgpu.barrier_arrive(sched_bar)
+            plgpu.barrier_wait(sched_bar)
+
+        def row_bcast(v, like):
+            return lax.broadcast_in_dim(v, like.shape, [0])
+
+        def scores(t, slot, words, masked: bool, ping_pong: bool, first: int = 0, width: int = block_k):
+            """S = Q K^T * scale * log2(e) `[64, width]` f32 over slots [first, first + width) of tile t once it has
+            landed in `slot`; masked: slots past the visible length and tree slots that are not ancestors are -inf."""
+            plgpu.barrier_wait(kv_bars.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot, pl.ds(first, width)].transpose((1, 0)))
+                if ping_pong:
+                    schedule()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_R, width), jnp.float32)) * qk_scale
+            return mask_scores(t, s, words, first) if masked else s
+
+        def mask_scores(t, s, words, first: int):
+            """S `[64, width]` of slots [first, first + width) of tile t with the invisible slots at -inf."""
+            slot_ids = t * block_k + first + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+            rel = slot_ids - prefix
+            word_idx = lax.shift_right_arithmetic(rel, 5)
+            word = jnp.zeros_like(rel)
+            for k, w in enumerate(words):
+                word = jnp.where(word_idx == k, lax.broadcast_in_dim(w, s.shape, [0]), word)
+            tree = lax.shift_right_logical(word, rel & 31) & 1
+            visible = (slot_ids < total) & ((rel < 0) | (tree == 1))
+            return jnp.where(visible, s, -jnp.inf)
+
+        def pv(acc, p, slot, cols):
+            """acc += P V_slot[:, cols] (P in registers or SMEM); then this warpgroup is done with the slot."""
+
+            def body(acc_ref):
+                plgpu.wgmma(acc_ref, p, kv_smem.at[slot, :, cols])
+
+            acc = pl.run_state(body)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(free_bars.at[slot])
+            return acc
+
+        def init_carry():
+            return (
+                plgpu.layout_cast(jnp.zeros((BLOCK_R, half_dv), jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((BLOCK_R,), _NEG_INIT, jnp.float32), _ROW),
+                plgpu.layout_cast(jnp.zeros((BLOCK_R,), jnp.float32), _ROW),
+            )
+
+        def compute_duplicated(half: int, words, cols):
+            """Both warpgroups compute S and the softmax of every tile (FA3 ping-pong between them)."""
+            ping_pong = config.schedule_barrier
+
+            def tile(t, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = lax.rem(t - t_lo, stages)
+                s = scores(t, slot, words, masked, ping_pong)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - row_bcast(m_new, s))
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(kv_smem.dtype)
+                if ping_pong:
+                    schedule()
+                return pv(acc * row_bcast(alpha, acc), p16, slot, cols), m_new, l_i
+
+            if ping_pong and half == 1:
                 schedule()
-            return acc_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_R, width), jnp.float32)) * qk_scale
-        return mask_scores(t, s, words, first) if masked else s
-
-    def mask_scores(t, s, words, first: int):
-        """S `[64, width]` of slots [first, first + width) of tile t with the invisible slots at -inf."""
-        slot_ids = t * block_k + first + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        rel = slot_ids - prefix
-        word_idx = lax.shift_right_arithmetic(rel, 5)
-        word = jnp.zeros_like(rel)
-        for k, w in enumerate(words):
-            word = jnp.where(word_idx == k, lax.broadcast_in_dim(w, s.shape, [0]), word)
-        tree = lax.shift_right_logical(word, rel & 31) & 1
-        visible = (slot_ids < total) & ((rel < 0) | (tree == 1))
-        return jnp.where(visible, s, -jnp.inf)
-
-    def pv(acc, p, slot, cols):
-        """acc += P V_slot[:, cols] (P in registers or SMEM); then this warpgroup is done with the slot."""
-
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, p, kv_smem.at[slot, :, cols])
-
-        acc = pl.run_state(body)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(free_bars.at[slot])
-        return acc
-
-    def init_carry():
-        return (
-            plgpu.layout_cast(jnp.zeros((BLOCK_R, half_dv), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((BLOCK_R,), _NEG_INIT, jnp.float32), _ROW),
-            plgpu.layout_cast(jnp.zeros((BLOCK_R,), jnp.float32), _ROW),
-        )
-
-    def compute_duplicated(half: int, words, cols):
-        """Both warpgroups compute S and the softmax of every tile (FA3 ping-pong between them)."""
-        ping_pong = config.schedule_barrier
-
-        def tile(t, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(t - t_lo, stages)
-            s = scores(t, slot, words, masked, ping_pong)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - row_bcast(m_new, s))
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(kv_smem.dtype)
-            if ping_pong:
+            carry = lax.fori_loop(t_lo, t_full, functools.partial(tile, masked=False), init_carry())
+            carry = lax.fori_loop(t_full, t_hi, functools.partial(tile, masked=True), carry)
+            if ping_pong and half == 0:
                 schedule()
-            return pv(acc * row_bcast(alpha, acc), p16, slot, cols), m_new, l_i
+            return carry
 
-        if ping_pong and half == 1:
-            schedule()
-        carry = lax.fori_loop(t_lo, t_full, functools.partial(tile, masked=False), init_carry())
-        carry = lax.fori_loop(t_full, t_hi, functools.partial(tile, masked=True), carry)
-        if ping_pong and half == 0:
-            schedule()
-        return carry
+        def compute_shared(half: int, words, cols):
+            """Step i = t - t_lo belongs to warpgroup i % 2: it computes S and the softmax of that tile once, publishes
+            P and the running (max, sum) in SMEM, then adds its half of P V. The other warpgroup adds its half of P V
+            from SMEM at the start of its next step (or at the end), so P is computed once per tile."""
+            n = t_hi - t_lo
 
-    def compute_shared(half: int, words, cols):
-        """Step i = t - t_lo belongs to warpgroup i % 2: it computes S and the softmax of that tile once, publishes
-        P and the running (max, sum) in SMEM, then adds its half of P V. The other warpgroup adds its half of P V
-        from SMEM at the start of its next step (or at the end), so P is computed once per tile."""
-        n = t_hi - t_lo
+            def consume(i, carry):
+                """acc += P_i V_i[:, cols] with step i's published P; (max, sum) become step i's."""
+                acc, m_i, _ = carry
+                plgpu.barrier_wait(p_bars.at[1 - half])
+                m_new = plgpu.load(stat_smem.at[0], layout=_ROW)
+                l_new = plgpu.load(stat_smem.at[1], layout=_ROW)
+                acc = pv(acc * row_bcast(jnp.exp2(m_i - m_new), acc), p_smem, lax.rem(i, stages), cols)
+                return acc, m_new, l_new
 
-        def consume(i, carry):
-            """acc += P_i V_i[:, cols] with step i's published P; (max, sum) become step i's."""
-            acc, m_i, _ = carry
-            plgpu.barrier_wait(p_bars.at[1 - half])
-            m_new = plgpu.load(stat_smem.at[0], layout=_ROW)
-            l_new = plgpu.load(stat_smem.at[1], layout=_ROW)
-            acc = pv(acc * row_bcast(jnp.exp2(m_i - m_new), acc), p_smem, lax.rem(i, stages), cols)
-            return acc, m_new, l_new
-
-        def own(k, carry, masked: bool):
-            i = 2 * k + half
-            slot = lax.rem(i, stages)
-            s = scores(t_lo + i, slot, words, masked, ping_pong=False)
-            acc, m_i, l_i = lax.fori_loop(0, jnp.minimum(i, 1), lambda _, c: consume(i - 1, c), carry)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - row_bcast(m_new, s))
-            l_new = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(kv_smem.dtype)
-            p_smem[...] = p16  # the other warpgroup read the previous P before it published what we consumed
-            stat_smem.at[0][...] = m_new
-            stat_smem.at[1][...] = l_new
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(p_bars.at[half])
-            return pv(acc * row_bcast(alpha, acc), p16, slot, cols), m_new, l_new
-
-        own_steps = lambda steps: lax.div(jnp.maximum(steps - half, 0) + 1, 2)  # own steps i < steps
-        k_full, k_end = own_steps(t_full - t_lo), own_steps(n)
-        carry = lax.fori_loop(0, k_full, functools.partial(own, masked=False), init_carry())
-        carry = lax.fori_loop(k_full, k_end, functools.partial(own, masked=True), carry)
-        last_is_other = (n >= 1) & (lax.rem(n + 1, 2) != half)  # step n - 1 belongs to the other warpgroup
-        return lax.fori_loop(0, last_is_other.astype(jnp.int32), lambda _, c: consume(n - 1, c), carry)
-
-    def compute_split(half: int, words, cols):
-        """Warpgroup `half` computes S and P for slots [half * block_k / 2, (half + 1) * block_k / 2) of every tile;
-        the two exchange their row maxima (stat_smem rows 0, 1) and P halves (p_smem) at two meetings on sched_bar
-        (`schedule`) per tile, and each adds P V for its columns: its own P half from registers, the other's from
-        SMEM. The row sums stay per half until the end. config.overlap: `overlapped` runs the tiles instead;
-        config.meetings == 1: `tile_one_meeting`."""
-        hk = block_k // 2
-        own, other = pl.ds(half * hk, hk), pl.ds((1 - half) * hk, hk)
-
-        def swap(row_value):
-            """Publish this warpgroup's `[64]` f32 row value and return the other's."""
-            stat_smem.at[half][...] = row_value
-            if config.swap_fence:
+            def own(k, carry, masked: bool):
+                i = 2 * k + half
+                slot = lax.rem(i, stages)
+                s = scores(t_lo + i, slot, words, masked, ping_pong=False)
+                acc, m_i, l_i = lax.fori_loop(0, jnp.minimum(i, 1), lambda _, c: consume(i - 1, c), carry)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - row_bcast(m_new, s))
+                l_new = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(kv_smem.dtype)
+                p_smem[...] = p16  # the other warpgroup read the previous P before it published what we consumed
+                stat_smem.at[0][...] = m_new
+                stat_smem.at[1][...] = l_new
                 plgpu.commit_smem()
-            schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
-            return plgpu.load(stat_smem.at[1 - half], layout=_ROW)
+                plgpu.barrier_arrive(p_bars.at[half])
+                return pv(acc * row_bcast(alpha, acc), p16, slot, cols), m_new, l_new
 
-        def softmax(s, m_i):
-            """This warpgroup's S half of a tile -> (running max, rescale alpha, P half in f32); the row maxima
-            are agreed with the other warpgroup at a meeting."""
-            m_own = jnp.maximum(m_i, s.max(axis=1))
-            m_new = jnp.maximum(m_own, swap(m_own))
-            alpha = jnp.exp2(m_i - m_new)
-            return m_new, alpha, jnp.exp2(s - row_bcast(m_new, s))
+            own_steps = lambda steps: lax.div(jnp.maximum(steps - half, 0) + 1, 2)  # own steps i < steps
+            k_full, k_end = own_steps(t_full - t_lo), own_steps(n)
+            carry = lax.fori_loop(0, k_full, functools.partial(own, masked=False), init_carry())
+            carry = lax.fori_loop(k_full, k_end, functools.partial(own, masked=True), carry)
+            last_is_other = (n >= 1) & (lax.rem(n + 1, 2) != half)  # step n - 1 belongs to the other warpgroup
+            return lax.fori_loop(0, last_is_other.astype(jnp.int32), lambda _, c: consume(n - 1, c), carry)
 
-        def publish(p):
-            """P half -> bf16, also in p_smem[half] once both warpgroups meet. The other warpgroup's reads of that
-            buffer must be complete."""
-            p16 = p.astype(kv_smem.dtype)
-            p_smem.at[half][...] = p16
-            plgpu.commit_smem()
-            schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
-            return p16
+        def compute_split(half: int, words, cols):
+            """Warpgroup `half` computes S and P for slots [half * block_k / 2, (half + 1) * block_k / 2) of every tile;
+            the two exchange their row maxima (stat_smem rows 0, 1) and P halves (p_smem) at two meetings on sched_bar
+            (`schedule`) per tile, and each adds P V for its columns: its own P half from registers, the other's from
+            SMEM. The row sums stay per half until the end. config.overlap: `overlapped` runs the tiles instead;
+            config.meetings == 1: `tile_one_meeting`."""
+            hk = block_k // 2
+            own, other = pl.ds(half * hk, hk), pl.ds((1 - half) * hk, hk)
 
-        def tile(t, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(t - t_lo, stages)
-            s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
-            # The other warpgroup's last P V, which read p_smem[half], completed before its meeting in `swap`.
-            m_new, alpha, p = softmax(s, m_i)
-            p16 = publish(p)
-            l_i = l_i * alpha + p.sum(axis=1)
+            def swap(row_value):
+                """Publish this warpgroup's `[64]` f32 row value and return the other's."""
+                stat_smem.at[half][...] = row_value
+                if config.swap_fence:
+                    plgpu.commit_smem()
+                schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
+                return plgpu.load(stat_smem.at[1 - half], layout=_ROW)
 
-            def body(acc_ref):
-                plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
-                plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
+            def softmax(s, m_i):
+                """This warpgroup's S half of a tile -> (running max, rescale alpha, P half in f32); the row maxima
+                are agreed with the other warpgroup at a meeting."""
+                m_own = jnp.maximum(m_i, s.max(axis=1))
+                m_new = jnp.maximum(m_own, swap(m_own))
+                alpha = jnp.exp2(m_i - m_new)
+                return m_new, alpha, jnp.exp2(s - row_bcast(m_new, s))
 
-            acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
-            plgpu.barrier_arrive(free_bars.at[slot])
-            return acc, m_new, l_i
+            def publish(p):
+                """P half -> bf16, also in p_smem[half] once both warpgroups meet. The other warpgroup's reads of that
+                buffer must be complete."""
+                p16 = p.astype(kv_smem.dtype)
+                p_smem.at[half][...] = p16
+                plgpu.commit_smem()
+                schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
+                return p16
 
-        def tile_one_meeting(t, carry, masked: bool):
-            """`tile` with one meeting: P half against max(running max, own tile maximum), published with that
-            tile maximum; after the meeting both halves are rescaled to the agreed maximum in registers (each
-            warpgroup computes the same maximum and factors, so the two use the same bf16 P)."""
-            acc, m_i, l_i = carry
-            slot = lax.rem(t - t_lo, stages)
-            s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
-            m_tile = s.max(axis=1)
-            m_ref = jnp.maximum(m_i, m_tile)
-            p = jnp.exp2(s - row_bcast(m_ref, s))
-
-            @pl.when(t > t_lo)
-            def _():  # the other warpgroup has read the half and maximum published at the previous tile
-                plgpu.barrier_wait(p_bars.at[half])
-
-            p16 = p.astype(kv_smem.dtype)
-            p_smem.at[half][...] = p16
-            stat_smem.at[half][...] = m_tile
-            schedule()  # the one meeting: ordinary stores before it, ordinary loads after (no async-proxy fence)
-            m_other = plgpu.load(stat_smem.at[1 - half], layout=_ROW)
-            p_other = plgpu.load(p_smem.at[1 - half], layout=plgpu.Layout.WGMMA)
-            plgpu.barrier_arrive(p_bars.at[1 - half])
-            m_new = jnp.maximum(m_ref, m_other)
-            alpha, c_own = jnp.exp2(m_i - m_new), jnp.exp2(m_ref - m_new)
-            c_other = jnp.exp2(jnp.maximum(m_i, m_other) - m_new)
-            rescale = lambda x, c: (x.astype(jnp.float32) * row_bcast(c, x)).astype(kv_smem.dtype)
-            p_own, p_other = rescale(p16, c_own), rescale(p_other, c_other)
-
-            def body(acc_ref):
-                plgpu.wgmma(acc_ref, p_own, kv_smem.at[slot, own, cols])
-                plgpu.wgmma(acc_ref, p_other, kv_smem.at[slot, other, cols])
-
-            acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
-            plgpu.barrier_arrive(free_bars.at[slot])
-            return acc, m_new, l_i * alpha + p.sum(axis=1) * c_own
-
-        def overlapped():
-            """The tiles software-pipelined: step t issues S of tile t + 1, P_t V_t for the other warpgroup's P half
-            (SMEM), then P_t V_t for its own half (registers), and waits only for the first two (wgmma groups
-            complete in order) before the softmax of tile t + 1; the own-half P V runs on under it. The other's
-            P buffer is free again at the max swap, since both warpgroups have read it by then."""
-
-            def first_tile(t, carry):
-                acc, m_i, l_i, _, _ = carry
-                s = scores(t, 0, words, masked=True, ping_pong=False, first=half * hk, width=hk)
+            def tile(t, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = lax.rem(t - t_lo, stages)
+                s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
+                # The other warpgroup's last P V, which read p_smem[half], completed before its meeting in `swap`.
                 m_new, alpha, p = softmax(s, m_i)
-                return acc, m_new, l_i * alpha + p.sum(axis=1), alpha, publish(p)
+                p16 = publish(p)
+                l_i = l_i * alpha + p.sum(axis=1)
 
-            def step(t, carry, next_masked: bool | None):
-                """P V of tile t, and S and the softmax of tile t + 1 unless next_masked is None (the last)."""
-                acc, m_i, l_i, alpha, p16 = carry
-                slot, nxt = lax.rem(t - t_lo, stages), lax.rem(t + 1 - t_lo, stages)
-                if next_masked is not None:  # the wait loop must not sit between the wgmma fence and the wgmmas
-                    plgpu.barrier_wait(kv_bars.at[nxt])  # (ptxas then injects its own fence, C7519)
-
-                def body(acc_ref, s_ref):
-                    acc_ref[...] = acc * row_bcast(alpha, acc)
-                    if next_masked is not None:
-                        plgpu.wgmma(s_ref, q_smem, kv_smem.at[nxt, own].transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
+                def body(acc_ref):
                     plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
-                    if next_masked is None:
-                        return acc_ref[...], m_i, l_i, alpha, p16
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * qk_scale
-                    s = mask_scores(t + 1, s, words, half * hk) if next_masked else s
-                    m_new, alpha_new, p = softmax(s, m_i)
-                    # The next P is made bf16 only once the P V reading this one from registers has completed:
-                    # LLVM gives it the same registers, and a write to a running wgmma's operand makes ptxas
-                    # serialise every wgmma (C7513). The barrier (side-effecting asm) keeps p after the wait.
-                    acc_out, p = lax.optimization_barrier((acc_ref[...], p))
-                    return acc_out, m_new, l_i * alpha_new + p.sum(axis=1), alpha_new, publish(p)
+                    plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
 
-                out = pl.run_scoped(
-                    body, plgpu.ACC((BLOCK_R, half_dv), jnp.float32), plgpu.ACC((BLOCK_R, hk), jnp.float32)
-                )
+                acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
                 plgpu.barrier_arrive(free_bars.at[slot])
-                return out
+                return acc, m_new, l_i
 
-            p0 = plgpu.layout_cast(jnp.zeros((BLOCK_R, hk), kv_smem.dtype), plgpu.Layout.WGMMA)
-            carry = (*init_carry(), plgpu.layout_cast(jnp.ones((BLOCK_R,), jnp.float32), _ROW), p0)
-            carry = lax.fori_loop(t_lo, jnp.minimum(t_lo + 1, t_hi), first_tile, carry)
-            mid = jnp.maximum(t_lo, t_full - 1)  # steps before mid have their next tile wholly inside the prefix
-            carry = lax.fori_loop(t_lo, mid, functools.partial(step, next_masked=False), carry)
-            carry = lax.fori_loop(mid, t_hi - 1, functools.partial(step, next_masked=True), carry)
-            carry = lax.fori_loop(jnp.maximum(t_hi - 1, t_lo), t_hi, functools.partial(step, next_masked=None), carry)
-            return carry[:3]
+            def tile_one_meeting(t, carry, masked: bool):
+                """`tile` with one meeting: P half against max(running max, own tile maximum), published with that
+                tile maximum; after the meeting both halves are rescaled to the agreed maximum in registers (each
+                warpgroup computes the same maximum and factors, so the two use the same bf16 P)."""
+                acc, m_i, l_i = carry
+                slot = lax.rem(t - t_lo, stages)
+                s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
+                m_tile = s.max(axis=1)
+                m_ref = jnp.maximum(m_i, m_tile)
+                p = jnp.exp2(s - row_bcast(m_ref, s))
 
-        if config.overlap:
-            acc, m_i, l_i = overlapped()
-        else:
-            step = tile_one_meeting if config.meetings == 1 else tile
-            carry = lax.fori_loop(t_lo, t_full, functools.partial(step, masked=False), init_carry())
-            acc, m_i, l_i = lax.fori_loop(t_full, t_hi, functools.partial(step, masked=True), carry)
-            if config.meetings == 1:  # the other warpgroup has read the last tile maximum before swap reuses it
-
-                @pl.when(t_hi > t_lo)
-                def _():
+                @pl.when(t > t_lo)
+                def _():  # the other warpgroup has read the half and maximum published at the previous tile
                     plgpu.barrier_wait(p_bars.at[half])
 
-        return acc, m_i, l_i + swap(l_i)
+                p16 = p.astype(kv_smem.dtype)
+                p_smem.at[half][...] = p16
+                stat_smem.at[half][...] = m_tile
+                schedule()  # the one meeting: ordinary stores before it, ordinary loads after (no async-proxy fence)
+                m_other = plgpu.load(stat_smem.at[1 - half], layout=_ROW)
+                p_other = plgpu.load(p_smem.at[1 - half], layout=plgpu.Layout.WGMMA)
+                plgpu.barrier_arrive(p_bars.at[1 - half])
+                m_new = jnp.maximum(m_ref, m_other)
+                alpha, c_own = jnp.exp2(m_i - m_new), jnp.exp2(m_ref - m_new)
+                c_other = jnp.exp2(jnp.maximum(m_i, m_other) - m_new)
+                rescale = lambda x, c: (x.astype(jnp.float32) * row_bcast(c, x)).astype(kv_smem.dtype)
+                p_own, p_other = rescale(p16, c_own), rescale(p_other, c_other)
 
-    def compute(half: int):
-        """Compute warpgroup `half`: output columns [half * dv / 2, (half + 1) * dv / 2)."""
+                def body(acc_ref):
+                    plgpu.wgmma(acc_ref, p_own, kv_smem.at[slot, own, cols])
+                    plgpu.wgmma(acc_ref, p_other, kv_smem.at[slot, other, cols])
+
+                acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
+                plgpu.barrier_arrive(free_bars.at[slot])
+                return acc, m_new, l_i * alpha + p.sum(axis=1) * c_own
+
+            def overlapped():
+                """The tiles software-pipelined: step t issues S of tile t + 1, P_t V_t for the other warpgroup's P half
+                (SMEM), then P_t V_t for its own half (registers), and waits only for the first two (wgmma groups
+                complete in order) before the softmax of tile t + 1; the own-half P V runs on under it. The other's
+                P buffer is free again at the max swap, since both warpgroups have read it by then."""
+
+                def first_tile(t, carry):
+                    acc, m_i, l_i, _, _ = carry
+                    s = scores(t, 0, words, masked=True, ping_pong=False, first=half * hk, width=hk)
+                    m_new, alpha, p = softmax(s, m_i)
+                    return acc, m_new, l_i * alpha + p.sum(axis=1), alpha, publish(p)
+
+                def step(t, carry, next_masked: bool | None):
+                    """P V of tile t, and S and the softmax of tile t + 1 unless next_masked is None (the last)."""
+                    acc, m_i, l_i, alpha, p16 = carry
+                    slot, nxt = lax.rem(t - t_lo, stages), lax.rem(t + 1 - t_lo, stages)
+                    if next_masked is not None:  # the wait loop must not sit between the wgmma fence and the wgmmas
+                        plgpu.barrier_wait(kv_bars.at[nxt])  # (ptxas then injects its own fence, C7519)
+
+                    def body(acc_ref, s_ref):
+                        acc_ref[...] = acc * row_bcast(alpha, acc)
+                        if next_masked is not None:
+                            plgpu.wgmma(s_ref, q_smem, kv_smem.at[nxt, own].transpose((1, 0)))
+                        plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
+                        plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
+                        if next_masked is None:
+                            return acc_ref[...], m_i, l_i, alpha, p16
+                        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * qk_scale
+                        s = mask_scores(t + 1, s, words, half * hk) if next_masked else s
+                        m_new, alpha_new, p = softmax(s, m_i)
+                        # The next P is made bf16 only once the P V reading this one from registers has completed:
+                        # LLVM gives it the same registers, and a write to a running wgmma's operand makes ptxas
+                        # serialise every wgmma (C7513). The barrier (side-effecting asm) keeps p after the wait.
+                        acc_out, p = lax.optimization_barrier((acc_ref[...], p))
+                        return acc_out, m_new, l_i * alpha_new + p.sum(axis=1), alpha_new, publish(p)
+
+                    out = pl.run_scoped(
+                        body, plgpu.ACC((BLOCK_R, half_dv), jnp.float32), plgpu.ACC((BLOCK_R, hk), jnp.float32)
+                    )
+                    plgpu.barrier_arrive(free_bars.at[slot])
+                    return out
+
+                p0 = plgpu.layout_cast(jnp.zeros((BLOCK_R, hk), kv_smem.dtype), plgpu.Layout.WGMMA)
+                carry = (*init_carry(), plgpu.layout_cast(jnp.ones((BLOCK_R,), jnp.float32), _ROW), p0)
+                carry = lax.fori_loop(t_lo, jnp.minimum(t_lo + 1, t_hi), first_tile, carry)
+                mid = jnp.maximum(t_lo, t_full - 1)  # steps before mid have their next tile wholly inside the prefix
+                carry = lax.fori_loop(t_lo, mid, functools.partial(step, next_masked=False), carry)
+                carry = lax.fori_loop(mid, t_hi - 1, functools.partial(step, next_masked=True), carry)
+                carry = lax.fori_loop(
+                    jnp.maximum(t_hi - 1, t_lo), t_hi, functools.partial(step, next_masked=None), carry
+                )
+                return carry[:3]
+
+            if config.overlap:
+                acc, m_i, l_i = overlapped()
+            else:
+                step = tile_one_meeting if config.meetings == 1 else tile
+                carry = lax.fori_loop(t_lo, t_full, functools.partial(step, masked=False), init_carry())
+                acc, m_i, l_i = lax.fori_loop(t_full, t_hi, functools.partial(step, masked=True), carry)
+                if config.meetings == 1:  # the other warpgroup has read the last tile maximum before swap reuses it
+
+                    @pl.when(t_hi > t_lo)
+                    def _():
+                        plgpu.barrier_wait(p_bars.at[half])
+
+            return acc, m_i, l_i + swap(l_i)
+
+        def compute(half: int):
+            """Compute warpgroup `half`: output columns [half * dv / 2, (half + 1) * dv / 2)."""
+            cols = pl.ds(half * half_dv, half_dv)
+            plgpu.barrier_wait(q_bar)
+            words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])] if n_nodes else []
+            run = {"split": compute_split, "duplicate": compute_duplicated, "shared": compute_shared}[config.softmax]
+            acc, m_i, l_i = run(half, words, cols)
+
+            seen = l_i > 0.0
+            l_safe = jnp.where(seen, l_i, 1.0)
+            out = acc * row_bcast(jnp.where(seen, 1.0 / l_safe, 0.0), acc)
+            plgpu.barrier_arrive(done_bar)  # both warpgroups are done reading Q before it is overwritten
+            plgpu.barrier_wait(done_bar)
+            o_smem.at[half][...] = out.astype(o_smem.dtype)
+            if half == 0:
+                stat_smem.at[2][...] = jnp.where(seen, m_i / _LOG2E + jnp.log(l_safe), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[half], o_ref.at[b, piece, pl.ds(row0, BLOCK_R), cols])
+            if half == 0:
+                plgpu.copy_smem_to_gmem(stat_smem.at[2], lse_ref.at[b, piece, pl.ds(row0, BLOCK_R)])
+            # SMEM must outlive the stores' reads; their writes land before the kernel completes (CUTLASS's epilogues
+            # wait the same way). Waiting for the writes took 4.8 % of the verify kernel's compute-warp samples
+            # (ncu_mla_stalls).
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if q_free is not None:  # the memory warpgroup may load the next segment's Q (and words) now
+                plgpu.barrier_arrive(q_free)
+
+        def memory():
+            """Q (and the words), then the segment's KV tiles through the ring; with a persistent schedule, a later
+            segment's first `stages` tiles go before its Q, whose SMEM waits for the last segment's epilogue."""
+
+            def load(t):
+                step = t - t_lo
+                slot = lax.rem(step, stages)
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(free_bars.at[slot])
+
+                # The last tile may run past the cache end: TMA fills those rows with zeros (masked anyway).
+                plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(t * block_k, block_k)], kv_smem.at[slot], kv_bars.at[slot])
+
+            t_early = t_lo  # tiles [t_lo, t_early) go before Q
+            if q_free is not None:  # the ring is empty between segments
+                t_early = jnp.where(first_segment, t_lo, jnp.minimum(t_lo + stages, t_hi))
+                pl.loop(t_lo, t_early)(load)
+                pl.when(jnp.logical_not(first_segment))(lambda: plgpu.barrier_wait(q_free))
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_R)], q_smem, q_bar)
+            if n_nodes:
+                plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(row0, BLOCK_R)], words_smem, q_bar)
+            pl.loop(t_early, t_hi)(load)
+
+            n = t_hi - t_lo
+
+            @pl.loop(jnp.maximum(n - stages, 0), n)
+            def _(step):  # observe the last releases too, so every barrier phase is consumed at the segment's end
+                plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
+
+        if role == 2:
+            memory()
+        else:
+            compute(role)
+
+    def compute_warpgroup(half: int):
         plgpu.set_max_registers(config.compute_registers, action="increase")
-        cols = pl.ds(half * half_dv, half_dv)
-        plgpu.barrier_wait(q_bar)
-        words = [plgpu.load(words_smem.at[k], layout=_ROW) for k in range(words_smem.shape[0])] if n_nodes else []
-        run = {"split": compute_split, "duplicate": compute_duplicated, "shared": compute_shared}[config.softmax]
-        acc, m_i, l_i = run(half, words, cols)
+        for_each_segment(functools.partial(run_segment, half))
 
-        seen = l_i > 0.0
-        l_safe = jnp.where(seen, l_i, 1.0)
-        out = acc * row_bcast(jnp.where(seen, 1.0 / l_safe, 0.0), acc)
-        plgpu.barrier_arrive(done_bar)  # both warpgroups are done reading Q before it is overwritten
-        plgpu.barrier_wait(done_bar)
-        o_smem.at[half][...] = out.astype(o_smem.dtype)
-        if half == 0:
-            stat_smem.at[2][...] = jnp.where(seen, m_i / _LOG2E + jnp.log(l_safe), -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[half], o_ref.at[b, split, pl.ds(row0, BLOCK_R), cols])
-        if half == 0:
-            plgpu.copy_smem_to_gmem(stat_smem.at[2], lse_ref.at[b, split, pl.ds(row0, BLOCK_R)])
-        # SMEM must outlive the stores' reads; their writes land before the kernel completes (CUTLASS's epilogues
-        # wait the same way). Waiting for the writes took 4.8 % of the verify kernel's compute-warp samples
-        # (ncu_mla_stalls).
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    pl.when(wg == 0)(functools.partial(compute, 0))
-    pl.when(wg == 1)(functools.partial(compute, 1))
+    pl.when(wg == 0)(functools.partial(compute_warpgroup, 0))
+    pl.when(wg == 1)(functools.partial(compute_warpgroup, 1))
 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(config.memory_registers, action="decrease")
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_R)], q_smem, q_bar)
-        if n_nodes:
-            plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(row0, BLOCK_R)], words_smem, q_bar)
-
-        @pl.loop(t_lo, t_hi)
-        def _(t):
-            step = t - t_lo
-            slot = lax.rem(step, stages)
-
-            @pl.when(step >= stages)
-            def _():
-                plgpu.barrier_wait(free_bars.at[slot])
-
-            # The last tile may run past the cache end: TMA fills those rows with zeros (masked anyway).
-            plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(t * block_k, block_k)], kv_smem.at[slot], kv_bars.at[slot])
-
-        @pl.loop(jnp.maximum(t_hi - t_lo - stages, 0), t_hi - t_lo)
-        def _(step):  # observe the last releases too, so every barrier phase is consumed when the CTA ends
-            plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
+        segments = for_each_segment(functools.partial(run_segment, 2))
+        if q_free is not None:  # observe the last epilogue's arrival too
+            pl.when(segments > 0)(lambda: plgpu.barrier_wait(q_free))
 
 
-def _kernel_no_tree(prefix_ref, q_ref, kv_ref, o_ref, lse_ref, q_o_smem, kv_smem, *scratch, **params):
-    """`_kernel` for calls without a tree block (n_nodes == 0): no words input, no words SMEM."""
-    _kernel(prefix_ref, q_ref, kv_ref, None, o_ref, lse_ref, q_o_smem, kv_smem, None, *scratch, **params)
+def _kernel_entry(*refs, persistent: bool, **params):
+    """`_kernel` with None for what this call does not take: the schedule and q_free (grid schedule), the words
+    input and SMEM (no tree block, n_nodes == 0)."""
+    refs, words = list(refs), params["n_nodes"] > 0
+    take = lambda present: refs.pop(0) if present else None
+    ins = [take(True), take(persistent), take(True), take(True), take(words)]
+    outs_and_smem = [take(True) for _ in range(4)] + [take(words)]
+    scratch = [take(True) for _ in range(8)] + [take(persistent)]
+    assert not refs, len(refs)
+    _kernel(*ins, *outs_and_smem, *scratch, **params)
 
 
 def sm_count() -> int:
@@ -548,11 +636,44 @@ def wave_splits(ctas: int, n_tiles: int, sms: int = 132, overhead_tiles: int = 2
 
 def default_config(batch: int, rows: int, max_len: int, tiling: MosaicMLAConfig | None = None) -> MosaicMLAConfig:
     """`tiling` (default: 64-slot tiles in a 2-stage ring, S split between the warpgroups) with its split count
-    chosen by `wave_splits` for this GPU's SM count; the fixed per-CTA overhead is 128 slots' worth of tiles."""
+    chosen by `wave_splits` for this GPU's SM count (the fixed per-CTA overhead is 128 slots' worth of tiles), or
+    on the persistent schedule its cap on partials per row block (`persistent_pieces`)."""
     config = tiling or MosaicMLAConfig()
-    ctas, tiles = batch * pl.cdiv(rows, BLOCK_R), pl.cdiv(max_len, config.block_k)
-    splits = wave_splits(ctas, tiles, sm_count(), overhead_tiles=max(1, 128 // config.block_k))
+    row_blocks, tiles = batch * pl.cdiv(rows, BLOCK_R), pl.cdiv(max_len, config.block_k)
+    if config.schedule == "persistent":
+        splits = persistent_pieces(row_blocks, tiles, config.ctas or sm_count())
+    else:
+        splits = wave_splits(row_blocks, tiles, sm_count(), overhead_tiles=max(1, 128 // config.block_k))
     return dataclasses.replace(config, num_splits=splits)
+
+
+def persistent_pieces(row_blocks: int, max_tiles: int, ctas: int) -> int:
+    """Partials per row block the persistent schedule allows by default: with every one of `row_blocks` row blocks
+    (all sequences) at `max_tiles` tiles, a CTA takes ceil(row_blocks * max_tiles / ctas) units, and a row block
+    then spans at most ceil(max_tiles / that) + 1 CTAs."""
+    return pl.cdiv(max_tiles, pl.cdiv(row_blocks * max_tiles, ctas)) + 1
+
+
+def persistent_schedule(
+    prefix: jax.Array, n_nodes: int, block_k: int, row_blocks: int, ctas: int, pieces: int
+) -> tuple[jax.Array, jax.Array]:
+    """The persistent schedule's inputs, from the visible prefix `[B]` int32 (`tree_inputs`).
+
+    Sequence b has T_b = ceil((prefix[b] + n_nodes) / block_k) tiles per row block and `row_blocks` row blocks;
+    its units are numbered from start_b = sum of the earlier sequences' row_blocks * T. CTA c takes units
+    [c * per_cta, (c + 1) * per_cta), per_cta = max(ceil(total / ctas), ceil(max_b T_b / (pieces - 1))), so no row
+    block spans more than `pieces` CTAs. Returns (sched `[B + 2]` int32: start_0..start_B (= total), per_cta;
+    valid `[B, pieces, row_blocks]` bool: which partials of each row block the kernel writes)."""
+    tiles = (prefix + (n_nodes + block_k - 1)) // block_k
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(row_blocks * tiles, dtype=jnp.int32)])
+    per_cta = jnp.maximum(pl.cdiv(starts[-1], ctas), pl.cdiv(jnp.max(tiles), pieces - 1))
+    per_cta = jnp.maximum(per_cta, 1)
+    block_starts = starts[:-1, None] + jnp.arange(row_blocks) * tiles[:, None]  # [B, row_blocks]
+    spanned = jnp.where(
+        tiles[:, None] > 0, (block_starts + tiles[:, None] - 1) // per_cta - block_starts // per_cta + 1, 0
+    )
+    valid = jnp.arange(pieces)[None, :, None] < spanned[:, None, :]
+    return jnp.concatenate([starts, per_cta[None]]).astype(jnp.int32), valid
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "value_dim", "config", "interpret"))
@@ -588,26 +709,34 @@ def mla_attention_mosaic_split(
         length = padded
     rows = n * heads
     rows_pad = pl.cdiv(rows, BLOCK_R) * BLOCK_R
-    num_splits = config.num_splits or default_config(b, rows, length, config).num_splits
     qr = jnp.pad(q.reshape(b, rows, dk).astype(latent_cache.dtype), ((0, 0), (0, rows_pad - rows), (0, 0)))
     prefix, tree, n_nodes = tree_inputs(tree_mask, prefix_len, heads, rows_pad)
     n_words = sum(w.shape[1] for w in tree)
     if (need := smem_bytes(config, dk, value_dim, n_words)) > SMEM_LIMIT:
         raise ValueError(f"{config} needs {need} B of shared memory (> {SMEM_LIMIT})")
+    persistent, row_blocks = config.schedule == "persistent", rows_pad // BLOCK_R
+    pieces = config.num_splits or default_config(b, rows, length, config).num_splits
+    if persistent:
+        ctas = config.ctas or sm_count()
+        sched, valid = persistent_schedule(prefix, n_nodes, block_k, row_blocks, ctas, pieces)
+        schedule_in, grid, grid_names = [sched], (ctas,), ("cta",)
+    else:
+        schedule_in, grid, grid_names = [], (row_blocks, pieces, b), ("rows", "split", "batch")
 
     swizzled = (plgpu.TilingTransform((8, config.swizzle // 2)), plgpu.SwizzleTransform(config.swizzle))
     kernel = plgpu.kernel(
         functools.partial(
-            _kernel if n_nodes else _kernel_no_tree,
+            _kernel_entry,
+            persistent=persistent,
             scale=float(scale),
             n_nodes=n_nodes,
             value_dim=value_dim,
             config=config,
-            num_splits=num_splits,
+            num_splits=pieces,
         ),
         out_type=(
-            jax.ShapeDtypeStruct((b, num_splits, rows_pad, value_dim), latent_cache.dtype),
-            jax.ShapeDtypeStruct((b, num_splits, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, pieces, rows_pad, value_dim), latent_cache.dtype),
+            jax.ShapeDtypeStruct((b, pieces, rows_pad), jnp.float32),
         ),
         scratch_types=[
             plgpu.RefUnion(
@@ -628,9 +757,10 @@ def mla_attention_mosaic_split(
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_barriers=2),
+            *[plgpu.Barrier(num_arrivals=2) for _ in schedule_in],  # q_free
         ],
-        grid=(rows_pad // BLOCK_R, num_splits, b),
-        grid_names=("rows", "split", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
@@ -638,7 +768,10 @@ def mla_attention_mosaic_split(
         ),  # row reductions stay in-warp
         interpret=INTERPRET_PARAMS if interpret is True else interpret,
     )
-    o_part, lse = kernel(prefix, qr, latent_cache, *tree)
+    o_part, lse = kernel(prefix, *schedule_in, qr, latent_cache, *tree)
+    if persistent:  # partials no CTA wrote are garbage: they weigh nothing (a select, fused into the XLA merge)
+        written = jnp.repeat(valid, BLOCK_R, axis=2)
+        o_part, lse = jnp.where(written[..., None], o_part, 0), jnp.where(written, lse, -jnp.inf)
     o = merge_splits(o_part, lse, rows, q.dtype, config.combine, interpret=bool(interpret))
     return o.reshape(b, n, heads, value_dim)
 

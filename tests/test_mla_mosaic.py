@@ -27,6 +27,8 @@ from pallas_kernels.mla_mosaic import (
     MosaicMLAConfig,
     mla_attention_mosaic,
     mla_attention_mosaic_split,
+    persistent_pieces,
+    persistent_schedule,
     smem_bytes,
     wave_splits,
 )
@@ -68,6 +70,9 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (4, 1, 64, 4000, MosaicMLAConfig(overlap=True)),
         (1, 33, 8, 8200, MosaicMLAConfig(overlap=True, swap_fence=True)),
         (2, 17, 64, 8192, MosaicMLAConfig(meetings=1)),
+        (8, 17, 64, 8192, MosaicMLAConfig(schedule="persistent")),
+        (8, 1, 64, 4096, MosaicMLAConfig(schedule="persistent", meetings=1)),
+        (2, 17, 8, 1000, MosaicMLAConfig(schedule="persistent", softmax="shared")),
     ],
 )
 def test_lowers_for_cuda(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None):
@@ -115,6 +120,13 @@ def test_config_checks():
     for bad in (dict(meetings=3), dict(meetings=1, softmax="duplicate"), dict(meetings=1, overlap=True)):
         with pytest.raises(ValueError, match="meetings"):
             MosaicMLAConfig(**bad)
+    for bad in (
+        dict(schedule="waves"),
+        dict(schedule="persistent", ctas=-1),
+        dict(schedule="persistent", num_splits=1),
+    ):
+        with pytest.raises(ValueError, match="schedule"):
+            MosaicMLAConfig(**bad)
     with pytest.raises(ValueError, match="multiple of 32"):
         MosaicMLAConfig(block_k=32)  # split S would leave P V a K dim of 16
 
@@ -123,6 +135,7 @@ SPLIT = MosaicMLAConfig(num_splits=3)
 DUPLICATE = MosaicMLAConfig(num_splits=3, softmax="duplicate")
 OVERLAP = MosaicMLAConfig(num_splits=3, overlap=True)
 ONE_MEETING = MosaicMLAConfig(num_splits=3, meetings=1)
+PERSISTENT = MosaicMLAConfig(schedule="persistent", ctas=4)
 
 
 @pytest.mark.parametrize(
@@ -134,8 +147,11 @@ ONE_MEETING = MosaicMLAConfig(num_splits=3, meetings=1)
         (17, MosaicMLAConfig(num_splits=3, swap_fence=True)),
         (17, OVERLAP),
         (17, ONE_MEETING),
+        (17, PERSISTENT),
+        (17, MosaicMLAConfig(schedule="persistent", ctas=3, meetings=1, softmax="split")),
         (33, SPLIT),
         (33, ONE_MEETING),
+        (33, MosaicMLAConfig(schedule="persistent", ctas=5, softmax="duplicate")),
         (33, OVERLAP),
         (33, DUPLICATE),
     ],
@@ -178,6 +194,7 @@ def test_decode_single_node(heads: int):
         MosaicMLAConfig(num_splits=4, softmax="duplicate"),
         MosaicMLAConfig(num_splits=4, overlap=True),
         MosaicMLAConfig(num_splits=4, meetings=1),
+        MosaicMLAConfig(schedule="persistent", ctas=3),
     ]
     for config in (None, MosaicMLAConfig(num_splits=4), *configs):
         out = run(q, cache, prefix, mask, config)
@@ -187,7 +204,8 @@ def test_decode_single_node(heads: int):
 @pytest.mark.parametrize(
     "config",
     [MosaicMLAConfig(num_splits=2, softmax=mode) for mode in ("shared", "duplicate")]
-    + [MosaicMLAConfig(), MosaicMLAConfig(overlap=True), MosaicMLAConfig(meetings=1)],
+    + [MosaicMLAConfig(), MosaicMLAConfig(overlap=True), MosaicMLAConfig(meetings=1)]
+    + [MosaicMLAConfig(schedule="persistent", ctas=2, softmax="shared")],
 )
 def test_causal_block(config: MosaicMLAConfig):
     """A causal 40-node block (two ancestor words), the three ways of splitting the softmax work."""
@@ -241,3 +259,51 @@ def test_cache_shorter_than_a_tile():
     q, cache, prefix = inputs(rng, 2, 3, 4, 7, [0, 4])
     mask = jnp.asarray(random_parent_mask(rng, 2, 3))
     assert rel_err(run(q, cache, prefix, mask, None), reference(q, cache, prefix, mask)) < 1e-2
+
+
+def _units(tiles: np.ndarray, row_blocks: int) -> list[tuple[int, int, int]]:
+    """Every (sequence, row block, tile) unit in the persistent schedule's order, listed one by one."""
+    return [(b, r, t) for b, n in enumerate(tiles) for r in range(row_blocks) for t in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_persistent_schedule_against_a_listing(seed: int):
+    """Random ragged prefixes (some sequences with no tiles): listing the units and dealing them out per_cta at a
+    time, every CTA gets at most ceil(total / ctas) units unless the piece cap forces more, no row block spans more
+    than `pieces` CTAs, and `valid` marks exactly the partials that some CTA writes (piece = CTA - first CTA)."""
+    rng = np.random.default_rng(seed)
+    batch, row_blocks, block_k, n_nodes = int(rng.integers(1, 6)), int(rng.integers(1, 4)), 64, int(rng.integers(0, 3))
+    prefix = rng.integers(0, 700, batch).astype(np.int32)
+    prefix[rng.random(batch) < 0.3] = 0
+    ctas = int(rng.integers(1, 12))
+    pieces = int(rng.integers(2, 6)) if seed % 2 else persistent_pieces(batch * row_blocks, 12, ctas)
+    sched, valid = persistent_schedule(jnp.asarray(prefix), n_nodes, block_k, row_blocks, ctas, pieces)
+    sched, valid = np.asarray(sched), np.asarray(valid)
+    tiles = -(-(prefix + n_nodes) // block_k)
+    units = _units(tiles, row_blocks)
+    per_cta = int(sched[-1])
+    assert list(sched[:-1]) == [len(_units(tiles[:b], row_blocks)) for b in range(batch + 1)]
+    assert per_cta == max(1, -(-len(units) // ctas), -(-int(tiles.max()) // (pieces - 1)))
+    assert len(units) <= per_cta * ctas or per_cta > -(-len(units) // ctas)  # the cap is the only reason to overflow
+    written = np.zeros_like(valid)
+    for c in range(-(-len(units) // per_cta)):
+        for b, r in {u[:2] for u in units[c * per_cta : (c + 1) * per_cta]}:
+            first_cta = units.index((b, r, 0)) // per_cta
+            assert c - first_cta < pieces
+            written[b, c - first_cta, r] = True
+    np.testing.assert_array_equal(written, valid)
+
+
+def test_persistent_long_row_block_and_empty_sequence():
+    """Persistent schedule over 5 CTAs: a 16-tile decode row block, a 5-tile one and a sequence with no visible slot
+    (prefix 0, its node does not see itself: no units, NaN rows as in the reference). Piece caps 0 (automatic:
+    3), 6 (per_cta 5: the long row block spans 4 CTAs) and 2 (per_cta 16: one CTA each)."""
+    rng = np.random.default_rng(21)
+    q, cache, prefix = inputs(rng, 3, 1, 8, 1000, [990, 0, 300])
+    mask = decode_mask(3)
+    ref = reference(q, cache, prefix, mask)
+    assert bool(jnp.isnan(ref[1]).all()) and not bool(jnp.isnan(ref[::2]).any())
+    for pieces in (0, 6, 2):
+        out = run(q, cache, prefix, mask, MosaicMLAConfig(schedule="persistent", ctas=5, num_splits=pieces))
+        assert bool(jnp.isnan(out[1]).all())
+        assert rel_err(out[::2], ref[::2]) < 1e-2
