@@ -220,41 +220,52 @@ def _kernel(
         return lax.div(prefix + n_nodes + (block_k - 1), block_k)
 
     def for_each_segment(body) -> jax.Array:
-        """body(b, prefix_ref[b], row0, piece, t_lo, t_hi, first) for each segment (tiles [t_lo, t_hi) of one row
-        block) of this CTA; returns how many ran. Grid: the CTA's (row block, split, sequence), piece = split.
-        Persistent (sched_ref = [unit offsets of the B sequences, total units, units per CTA]): units are
-        (sequence, row block, tile) in that order; CTA c takes units [c * per_cta, (c + 1) * per_cta) and
-        piece = c minus the first CTA of the row block (`persistent_schedule`)."""
+        """body(locate, first) for each segment (tiles [t_lo, t_hi) of one row block) of this CTA, where locate()
+        gives (b, prefix_ref[b], row0, piece, t_lo, t_hi) afresh (the epilogue calls it again, so those scalars
+        need not stay live across the tile loop); returns how many segments ran. Grid: the CTA's (row block,
+        split, sequence), piece = split. Persistent (sched_ref = [unit offsets of the B sequences, total units,
+        units per CTA]): units are (sequence, row block, tile) in that order; CTA c takes units
+        [c * per_cta, (c + 1) * per_cta) and piece = c minus the first CTA of the row block (`persistent_schedule`)."""
         if sched_ref is None:
-            b, split = lax.axis_index("batch"), lax.axis_index("split")  # one segment
-            prefix = prefix_ref[b]
-            n_tiles = tiles_of(prefix)
-            per_split = lax.div(n_tiles + (num_splits - 1), num_splits)
-            t_lo = jnp.minimum(split * per_split, n_tiles)
-            body(b, prefix, lax.axis_index("rows") * BLOCK_R, split, t_lo, jnp.minimum(t_lo + per_split, n_tiles), True)
+
+            def locate_split():
+                b, split = lax.axis_index("batch"), lax.axis_index("split")  # one segment
+                prefix = prefix_ref[b]
+                n_tiles = tiles_of(prefix)
+                per_split = lax.div(n_tiles + (num_splits - 1), num_splits)
+                t_lo = jnp.minimum(split * per_split, n_tiles)
+                t_hi = jnp.minimum(t_lo + per_split, n_tiles)
+                return b, prefix, lax.axis_index("rows") * BLOCK_R, split, t_lo, t_hi
+
+            body(locate_split, True)
             return jnp.int32(1)
         batch = prefix_ref.shape[0]
-        cta, per_cta = lax.axis_index("cta"), sched_ref[batch + 1]
-        u_hi = jnp.minimum(cta * per_cta + per_cta, sched_ref[batch])
+        cta = lax.axis_index("cta")
+        u_hi = lambda: jnp.minimum(cta * sched_ref[batch + 1] + sched_ref[batch + 1], sched_ref[batch])
 
-        def segment(carry):
-            u, k = carry  # the next unit, the segments run so far
+        def locate_unit(u):
+            """(b, prefix, row0, piece, t_lo, t_hi) of the segment starting at unit u, and its end unit."""
             # The last sequence starting at or before u (a sequence with no tiles starts where the next one does).
             b = functools.reduce(jnp.add, [(sched_ref[j] <= u).astype(jnp.int32) for j in range(1, batch)], 0)
             start, prefix = sched_ref[b], prefix_ref[b]
             n_tiles = tiles_of(prefix)
             row_block = lax.div(u - start, n_tiles)
             block_start = start + row_block * n_tiles
-            end = jnp.minimum(u_hi, block_start + n_tiles)
-            piece = cta - lax.div(block_start, per_cta)
-            body(b, prefix, row_block * BLOCK_R, piece, u - block_start, end - block_start, k == 0)
-            return end, k + 1
+            end = jnp.minimum(u_hi(), block_start + n_tiles)
+            piece = cta - lax.div(block_start, sched_ref[batch + 1])
+            return (b, prefix, row_block * BLOCK_R, piece, u - block_start, end - block_start), end
 
-        return lax.while_loop(lambda c: c[0] < u_hi, segment, (cta * per_cta, jnp.int32(0)))[1]
+        def segment(carry):
+            u, k = carry  # the next unit, the segments run so far
+            body(lambda: locate_unit(u)[0], k == 0)
+            return locate_unit(u)[1], k + 1
 
-    def run_segment(role: int, b, prefix, row0, piece, t_lo, t_hi, first_segment):
+        return lax.while_loop(lambda c: c[0] < u_hi(), segment, (cta * sched_ref[batch + 1], jnp.int32(0)))[1]
+
+    def run_segment(role: int, locate, first_segment):
         """Warpgroup `role`'s work on one segment: tiles [t_lo, t_hi) of sequence b's row block at row0, written
-        as partial `piece`."""
+        as partial `piece` (`for_each_segment`)."""
+        b, prefix, row0, _, t_lo, t_hi = locate()
         total = prefix + n_nodes
         t_full = jnp.clip(lax.div(prefix, block_k), t_lo, t_hi)  # tiles [t_lo, t_full) lie wholly inside the prefix
 
@@ -543,6 +554,7 @@ def _kernel(
             if half == 0:
                 stat_smem.at[2][...] = jnp.where(seen, m_i / _LOG2E + jnp.log(l_safe), -jnp.inf)
             plgpu.commit_smem()
+            b, _, row0, piece, _, _ = locate()  # afresh: not kept live across the tiles
             plgpu.copy_smem_to_gmem(o_smem.at[half], o_ref.at[b, piece, pl.ds(row0, BLOCK_R), cols])
             if half == 0:
                 plgpu.copy_smem_to_gmem(stat_smem.at[2], lse_ref.at[b, piece, pl.ds(row0, BLOCK_R)])
