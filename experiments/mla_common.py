@@ -4,7 +4,6 @@ parser. No flags, so tests can import it."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 import time
@@ -53,25 +52,12 @@ def abstract_inputs(
 
 
 def parse_tiling(text: str) -> MosaicMLAConfig:
-    """'field=value,...' -> the default MosaicMLAConfig with those fields replaced ('' -> the default); a
-    UserError naming the problem for an unknown field, a value of the wrong type or an impossible tiling."""
-    fields = {f.name: f for f in dataclasses.fields(MosaicMLAConfig)}
-    changes: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
-        name, eq, value = item.partition("=")
-        if not eq or name not in fields:
-            raise UserError(f"tiling {text!r}: {item!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
-        kind = type(getattr(MosaicMLAConfig(), name))
-        if kind is bool and value.lower() not in ("true", "false"):
-            raise UserError(f"tiling {text!r}: {name} takes true or false, not {value!r}")
-        try:
-            changes[name] = value.lower() == "true" if kind is bool else kind(value)
-        except ValueError:
-            raise UserError(f"tiling {text!r}: {name} takes an {kind.__name__}, not {value!r}") from None
+    """'field=value,...' -> the default MosaicMLAConfig with those fields replaced (`MosaicMLAConfig.from_text`);
+    a UserError naming the problem for an unknown field, a value of the wrong type or an impossible tiling."""
     try:
-        return dataclasses.replace(MosaicMLAConfig(), **changes)
+        return MosaicMLAConfig.from_text(text)
     except ValueError as e:
-        raise UserError(f"tiling {text!r}: {e}") from None
+        raise UserError(str(e)) from None
 
 
 def parse_cell(text: str) -> tuple[int, int, int, int]:

@@ -14,12 +14,14 @@ to the reference, aside) and slower in the 8-row (8-head decode) cells (`bench_m
 the engine ran 0.6-2.1 % faster with Mosaic on every call (`ab_flags_mla_mosaic`). Caches must come in whole
 64-slot tiles (`sizing.cache_slots`): the Mosaic kernel pads, that is copies, any other length on every call, and
 that copy is what made it lose inside loops before. A shape the Mosaic kernel does not take runs on Triton. Every
-choice is logged once.
+choice is logged once. `set_mla_tiling` / DDTREE_MLA_TILING ("field=value,...", e.g. "schedule=persistent";
+`MosaicMLAConfig.from_text`) sets the Mosaic kernel's tiling (default: `MosaicMLAConfig()`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 
@@ -36,6 +38,7 @@ MOSAIC_MIN_ROWS = 64
 _mode = "auto"
 _op_modes: dict[str, str] = {}  # per-op overrides of _mode (`use_kernels(mode, op=...)`)
 _mla_backend = "auto"
+_mla_tiling = None  # a MosaicMLAConfig other than the default, or None
 _logged: set[tuple[str, str]] = set()
 
 
@@ -83,6 +86,16 @@ def set_mla_backend(name: str) -> None:
     if name not in _MLA_BACKENDS:
         raise ValueError(f"MLA kernel {name!r} not one of {_MLA_BACKENDS}")
     _mla_backend = name
+
+
+def set_mla_tiling(text: str):
+    """The Mosaic MLA kernel's tiling from 'field=value,...' ('' -> the default); a ValueError names a bad one."""
+    from pallas_kernels.mla_mosaic import MosaicMLAConfig
+
+    global _mla_tiling
+    config = MosaicMLAConfig.from_text(text)
+    _mla_tiling = None if config == MosaicMLAConfig() else config
+    return config
 
 
 def _log_once(key: tuple[str, str], msg: str, *args) -> None:
@@ -175,9 +188,13 @@ def mla_kernel_for(q: jax.Array, latent_cache: jax.Array, value_dim: int):
             from pallas_kernels.mla_mosaic import mla_attention_mosaic
 
             _log_once(
-                ("mla_attention", f"mosaic-{n}x{heads}"), "mla_attention: Mosaic kernel for %d x %d rows", n, heads
+                ("mla_attention", f"mosaic-{n}x{heads}-{_mla_tiling}"),
+                "mla_attention: Mosaic kernel for %d x %d rows, tiling %s",
+                n,
+                heads,
+                _mla_tiling or "default",
             )
-            return mla_attention_mosaic
+            return functools.partial(mla_attention_mosaic, tiling=_mla_tiling) if _mla_tiling else mla_attention_mosaic
         _log_once(
             ("mla_attention", f"mosaic-unsupported-{dk}-{value_dim}-{latent_cache.dtype}"),
             "mla_attention: the Mosaic kernel takes a bf16 cache, 64 | Dk and 128 | value_dim, not %s %d/%d; "
@@ -191,3 +208,5 @@ def mla_kernel_for(q: jax.Array, latent_cache: jax.Array, value_dim: int):
 
 set_kernel_mode(os.environ.get("DDTREE_KERNELS", "auto"))  # an unknown value fails at import, naming it
 set_mla_backend(os.environ.get("DDTREE_MLA_KERNEL", "auto"))
+if os.environ.get("DDTREE_MLA_TILING"):
+    set_mla_tiling(os.environ["DDTREE_MLA_TILING"])

@@ -133,6 +133,29 @@ class MosaicMLAConfig:
         if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
             raise ValueError(f"P V's K dim (block_k, halved by the split softmax) must be a multiple of 32: {self}")
 
+    @classmethod
+    def from_text(cls, text: str) -> MosaicMLAConfig:
+        """'field=value,...' -> the default config with those fields replaced ('' -> the default); a ValueError
+        naming the problem for an unknown field, a value of the wrong type or an impossible tiling."""
+        default = cls()
+        changes: dict[str, object] = {}
+        for item in filter(None, text.split(",")):
+            name, eq, value = item.partition("=")
+            if not eq or not hasattr(default, name) or name.startswith("_"):
+                names = sorted(f.name for f in dataclasses.fields(cls))
+                raise ValueError(f"tiling {text!r}: {item!r} is not FIELD=VALUE with FIELD one of {names}")
+            kind = type(getattr(default, name))
+            if kind is bool and value.lower() not in ("true", "false"):
+                raise ValueError(f"tiling {text!r}: {name} takes true or false, not {value!r}")
+            try:
+                changes[name] = value.lower() == "true" if kind is bool else kind(value)
+            except ValueError:
+                raise ValueError(f"tiling {text!r}: {name} takes an {kind.__name__}, not {value!r}") from None
+        try:
+            return dataclasses.replace(default, **changes)
+        except ValueError as e:
+            raise ValueError(f"tiling {text!r}: {e}") from None
+
     @property
     def pv_k(self) -> int:
         """K dim of one P V product: the tile's slots, or half of them with the split softmax."""
@@ -796,16 +819,18 @@ def mla_attention_mosaic(
     scale: float,
     value_dim: int = 512,
     *,
+    tiling: MosaicMLAConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Absorbed-MLA attention of N new nodes over the latent cache; see `reference.mla_attention_reference`.
 
     q `[B, N, Hq, Dk]`, latent_cache `[B, L, Dk]` bf16 (new nodes at slots prefix_len[b] + j, prefix_len + N <= L),
     prefix_len `[B]` int32, tree_mask `[B, N, N]` bool -> `[B, N, Hq, value_dim]` in q.dtype. `scale` must be a
-    Python float. Drop-in for `mla_attention.mla_attention_pallas`.
+    Python float. Drop-in for `mla_attention.mla_attention_pallas`. `tiling`: the kernel's tiling (default
+    `MosaicMLAConfig()`), its split count chosen for these shapes unless it sets one.
     """
     b, n, heads, _ = q.shape
-    config = default_config(b, n * heads, latent_cache.shape[1])
+    config = tiling if tiling and tiling.num_splits else default_config(b, n * heads, latent_cache.shape[1], tiling)
     return mla_attention_mosaic_split(
         q, latent_cache, prefix_len, tree_mask, float(scale), value_dim, config=config, interpret=interpret
     )

@@ -9,15 +9,16 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, mla_mosaic
 from pallas_kernels.mla_attention import mla_attention_pallas
-from pallas_kernels.mla_mosaic import mla_attention_mosaic
+from pallas_kernels.mla_mosaic import MosaicMLAConfig, mla_attention_mosaic
 
 
 @pytest.fixture(autouse=True)
 def restore_backend():
     yield
     dispatch.set_mla_backend("auto")
+    dispatch.set_mla_tiling("")
 
 
 def shapes(dk: int, dtype=jnp.bfloat16, nodes: int = 3, heads: int = 8):
@@ -47,6 +48,25 @@ def test_mla_backend_selects_the_kernel_the_shapes_allow():
     assert dispatch.mla_kernel_for(*shapes(576, jnp.float32), 512) is mla_attention_pallas
 
 
+def test_mla_tiling_reaches_the_mosaic_kernel(monkeypatch):
+    """DDTREE_MLA_TILING / set_mla_tiling: the Mosaic kernel runs with that tiling (its split count still chosen
+    per call); '' restores the default kernel entry point itself."""
+    q, cache = shapes(576)
+    dispatch.set_mla_backend("mosaic")
+    dispatch.set_mla_tiling("schedule=persistent,meetings=1")
+    kernel = dispatch.mla_kernel_for(q, cache, 512)
+    assert kernel.func is mla_attention_mosaic
+    assert kernel.keywords["tiling"] == MosaicMLAConfig(schedule="persistent", meetings=1)
+    seen = []
+    monkeypatch.setattr(mla_mosaic, "mla_attention_mosaic_split", lambda *a, config, **k: seen.append(config))
+    kernel(q, cache, jnp.zeros((2,), jnp.int32), jnp.ones((2, 3, 3), bool), 0.1)
+    assert seen[0].schedule == "persistent" and seen[0].meetings == 1 and seen[0].num_splits >= 2
+    assert (
+        dispatch.set_mla_tiling("") == MosaicMLAConfig()
+        and dispatch.mla_kernel_for(q, cache, 512) is mla_attention_mosaic
+    )
+
+
 def test_reference_mode_never_calls_a_kernel(monkeypatch):
     monkeypatch.setattr(dispatch, "mla_kernel_for", lambda *a: pytest.fail("kernel chosen in reference mode"))
     q, cache = shapes(576)
@@ -55,7 +75,9 @@ def test_reference_mode_never_calls_a_kernel(monkeypatch):
     assert out.shape == (2, 3, 8, 512)
 
 
-@pytest.mark.parametrize("var,value", [("DDTREE_KERNELS", "fast"), ("DDTREE_MLA_KERNEL", "cutlass")])
+@pytest.mark.parametrize(
+    "var,value", [("DDTREE_KERNELS", "fast"), ("DDTREE_MLA_KERNEL", "cutlass"), ("DDTREE_MLA_TILING", "schedule=waves")]
+)
 def test_unknown_environment_values_fail_naming_them(var, value):
     env = {**os.environ, var: value, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
@@ -63,7 +85,8 @@ def test_unknown_environment_values_fail_naming_them(var, value):
     )
     assert proc.returncode != 0 and repr(value) in proc.stderr.splitlines()[-1]
     with pytest.raises(ValueError, match=value):
-        (dispatch.set_kernel_mode if var == "DDTREE_KERNELS" else dispatch.set_mla_backend)(value)
+        setters = {"DDTREE_KERNELS": dispatch.set_kernel_mode, "DDTREE_MLA_KERNEL": dispatch.set_mla_backend}
+        setters.get(var, dispatch.set_mla_tiling)(value)
 
 
 def test_per_op_override_applies_to_that_op_only_and_is_restored():
