@@ -137,12 +137,11 @@ class MosaicMLAConfig:
     def from_text(cls, text: str) -> MosaicMLAConfig:
         """'field=value,...' -> the default config with those fields replaced ('' -> the default); a ValueError
         naming the problem for an unknown field, a value of the wrong type or an impossible tiling."""
-        default = cls()
+        default, names = cls(), sorted(f.name for f in dataclasses.fields(cls))
         changes: dict[str, object] = {}
         for item in filter(None, text.split(",")):
             name, eq, value = item.partition("=")
-            if not eq or not hasattr(default, name) or name.startswith("_"):
-                names = sorted(f.name for f in dataclasses.fields(cls))
+            if not eq or name not in names:
                 raise ValueError(f"tiling {text!r}: {item!r} is not FIELD=VALUE with FIELD one of {names}")
             kind = type(getattr(default, name))
             if kind is bool and value.lower() not in ("true", "false"):

@@ -464,7 +464,7 @@ def test_parse_tiling():
     assert parse_tiling("") == MosaicMLAConfig()
     got = parse_tiling("compute_registers=240,swap_fence=False,softmax=duplicate,num_splits=3")
     assert got == MosaicMLAConfig(compute_registers=240, swap_fence=False, softmax="duplicate", num_splits=3)
-    for bad in ("block_k", "block_k=x", "swap_fence=1", "softmax=both", "nope=3"):
+    for bad in ("block_k", "block_k=x", "swap_fence=1", "softmax=both", "nope=3", "swizzle=64"):
         with pytest.raises(UserError, match="tiling"):
             parse_tiling(bad)
 
