@@ -445,8 +445,8 @@ def _kernel(
                 s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
                 # The other warpgroup's last P V, which read p_smem[half], completed before its meeting in `swap`.
                 m_new, alpha, p = softmax(s, m_i)
+                l_i = l_i * alpha + p.sum(axis=1)  # before the meeting: the f32 P is dead after publish
                 p16 = publish(p)
-                l_i = l_i * alpha + p.sum(axis=1)
 
                 def body(acc_ref):
                     plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
@@ -466,12 +466,12 @@ def _kernel(
                 m_tile = s.max(axis=1)
                 m_ref = jnp.maximum(m_i, m_tile)
                 p = jnp.exp2(s - row_bcast(m_ref, s))
+                p_sum, p16 = p.sum(axis=1), p.astype(kv_smem.dtype)  # the f32 P is dead from here
 
                 @pl.when(t > t_lo)
                 def _():  # the other warpgroup has read the half and maximum published at the previous tile
                     plgpu.barrier_wait(p_bars.at[half])
 
-                p16 = p.astype(kv_smem.dtype)
                 p_smem.at[half][...] = p16
                 stat_smem.at[half][...] = m_tile
                 schedule()  # the one meeting: ordinary stores before it, ordinary loads after (no async-proxy fence)
@@ -490,7 +490,7 @@ def _kernel(
 
                 acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
                 plgpu.barrier_arrive(free_bars.at[slot])
-                return acc, m_new, l_i * alpha + p.sum(axis=1) * c_own
+                return acc, m_new, l_i * alpha + p_sum * c_own
 
             def overlapped():
                 """The tiles software-pipelined: step t issues S of tile t + 1, P_t V_t for the other warpgroup's P half
