@@ -244,7 +244,7 @@ def _kernel(
     def for_each_segment(body) -> jax.Array:
         """body(locate, first) for each segment (tiles [t_lo, t_hi) of one row block) of this CTA, where locate()
         gives (b, prefix_ref[b], row0, piece, t_lo, t_hi) afresh (the epilogue calls it again, so those scalars
-        need not stay live across the tile loop); returns how many segments ran. Grid: the CTA's (row block,
+        need not stay live across the tile loop); returns whether any segment ran. Grid: the CTA's (row block,
         split, sequence), piece = split. Persistent (sched_ref = [unit offsets of the B sequences, total units,
         units per CTA]): units are (sequence, row block, tile) in that order; CTA c takes units
         [c * per_cta, (c + 1) * per_cta) and piece = c minus the first CTA of the row block (`persistent_schedule`)."""
@@ -260,7 +260,7 @@ def _kernel(
                 return b, prefix, lax.axis_index("rows") * BLOCK_R, split, t_lo, t_hi
 
             body(locate_split, True)
-            return jnp.int32(1)
+            return jnp.bool_(True)
         batch = prefix_ref.shape[0]
         cta = lax.axis_index("cta")
         u_hi = lambda: jnp.minimum(cta * sched_ref[batch + 1] + sched_ref[batch + 1], sched_ref[batch])
@@ -277,12 +277,14 @@ def _kernel(
             piece = cta - lax.div(block_start, sched_ref[batch + 1])
             return (b, prefix, row_block * BLOCK_R, piece, u - block_start, end - block_start), end
 
-        def segment(carry):
-            u, k = carry  # the next unit, the segments run so far
-            body(lambda: locate_unit(u)[0], k == 0)
-            return locate_unit(u)[1], k + 1
+        u_lo = lambda: cta * sched_ref[batch + 1]
 
-        return lax.while_loop(lambda c: c[0] < u_hi(), segment, (cta * sched_ref[batch + 1], jnp.int32(0)))[1]
+        def segment(u):  # u: the segment's first unit
+            body(lambda: locate_unit(u)[0], u == u_lo())
+            return locate_unit(u)[1]
+
+        lax.while_loop(lambda u: u < u_hi(), segment, u_lo())
+        return u_lo() < u_hi()
 
     def run_segment(role: int, locate, first_segment):
         """Warpgroup `role`'s work on one segment: tiles [t_lo, t_hi) of sequence b's row block at row0, written
@@ -633,9 +635,9 @@ def _kernel(
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(config.memory_registers, action="decrease")
-        segments = for_each_segment(functools.partial(run_segment, 2))
+        ran = for_each_segment(functools.partial(run_segment, 2))
         if q_free is not None:  # observe the last epilogue's arrival too
-            pl.when(segments > 0)(lambda: plgpu.barrier_wait(q_free))
+            pl.when(ran)(lambda: plgpu.barrier_wait(q_free))
 
 
 def _kernel_entry(*refs, persistent: bool, **params):
