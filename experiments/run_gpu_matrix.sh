@@ -11,8 +11,9 @@
 #   and verify calls, per SASS instruction (profiles/ncu_mla_source.csv.gz, from the saved report
 #   profiles/ncu_mla_source.ncu-rep), summarised by experiments.ncu_stalls (ncu_mla_stalls; about 1 min)
 #   and (STAGES=mla_schedule) the Mosaic variants not yet timed against the default, same run: the persistent
-#   schedule and one meeting per tile (also at 240 registers, where ptxas spills nothing), verify at 8192 x {17, 33} nodes x B{1, 8} x 64 heads with GPU checks
-#   (bench_mla_schedule_verify) and 64-head decode at {4096, 8192} x B{8, 32} (bench_mla_schedule_decode); about 9 min
+#   schedule and one meeting per tile (also at 240 registers, where ptxas spills nothing), verify at 8192 x
+#   {17, 33} nodes x B{1, 8} x 64 heads with GPU checks (bench_mla_schedule_verify) and 64-head decode at
+#   {4096, 8192} x B{8, 32} (bench_mla_schedule_decode); about 9 min
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
