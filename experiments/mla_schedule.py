@@ -41,10 +41,12 @@ flags.DEFINE_string("name", "mla_schedule", "record name")
 PARTIAL_BYTES = DV * 2 + 4  # one row of a partial: bf16 output and f32 log-sum-exp
 
 
-def grid_layout(tiles: int, row_blocks: int, splits: int, sms: int, overhead: int) -> dict[str, float]:
-    """The grid schedule's CTAs, in launch order (row blocks fastest, then splits), on the SM that frees first."""
+def grid_layout(tiles: int, batch: int, row_blocks: int, splits: int, sms: int, overhead: int) -> dict[str, float]:
+    """The grid schedule's CTAs, in launch order (row blocks fastest, then splits, then sequences), each on the SM
+    that frees first; `row_blocks` per sequence."""
     per_split = pl.cdiv(tiles, splits)
-    cta_tiles = [min(per_split, max(0, tiles - s * per_split)) for s in range(splits) for _ in range(row_blocks)]
+    split_tiles = [min(per_split, max(0, tiles - s * per_split)) for s in range(splits)]
+    cta_tiles = [n for _ in range(batch) for n in split_tiles for _ in range(row_blocks)]
     free = [(0, 0, 0, sm) for sm in range(sms)]  # (modelled time, tiles, CTAs, SM)
     for n in cta_tiles:
         t, got, ctas, sm = heapq.heappop(free)
@@ -91,7 +93,7 @@ def layout(cell: tuple[int, int, int, int], sms: int, overhead: int) -> dict[str
     # Decode folds its one node into the prefix (the node sees itself): no tree block.
     visible, n_nodes = (context + 1, 0) if nodes == 1 else (context, nodes)
     merge_mb = lambda pieces: batch * pieces * rows_pad * PARTIAL_BYTES / 1e6 if pieces > 1 else 0.0  # 1: no merge
-    grid = grid_layout(tiles, batch * row_blocks, grid_cfg.num_splits, sms, overhead)
+    grid = grid_layout(tiles, batch, row_blocks, grid_cfg.num_splits, sms, overhead)
     pers = persistent_layout(tiles, visible, n_nodes, batch, row_blocks, pers_cfg.num_splits, sms, overhead)
     return {
         "cell": "/".join(map(str, cell)),

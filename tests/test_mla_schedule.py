@@ -17,8 +17,8 @@ def run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def listing(tiles: int, row_blocks: int, splits: int, per_cta: int, overhead: int) -> dict[str, int]:
-    """Both schedules from lists of units: grid CTAs (split-major, so each wave's row blocks are consecutive) on
-    132 SMs in rounds, persistent ranges of per_cta units."""
+    """Both schedules from lists of units: the grid's CTAs and waves on 132 SMs and its total tiles, persistent
+    ranges of per_cta units."""
     per_split = -(-tiles // splits)
     ctas = [min(per_split, max(0, tiles - s * per_split)) for s in range(splits) for _ in range(row_blocks)]
     units = [(r, t) for r in range(row_blocks) for t in range(tiles)]
