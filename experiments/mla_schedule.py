@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 
+import jax
 import jax.numpy as jnp
 from absl import app, flags
 from jax.experimental import pallas as pl
@@ -26,6 +27,7 @@ from ddtree_jax.sizing import CACHE_ALIGN
 from experiments import common
 from experiments.mla_common import DV, parse_cell
 from pallas_kernels import mla_mosaic
+from pallas_kernels.mla_attention import tree_inputs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -62,12 +64,11 @@ def grid_layout(tiles: int, batch: int, row_blocks: int, splits: int, sms: int, 
 
 
 def persistent_layout(
-    tiles: int, visible: int, n_nodes: int, batch: int, row_blocks: int, pieces: int, sms: int, overhead: int
+    tiles: int, visible: jax.Array, n_nodes: int, row_blocks: int, pieces: int, sms: int, overhead: int
 ) -> dict[str, float]:
-    """The persistent schedule's ranges: `visible` is each sequence's visible prefix (`tree_inputs`)."""
-    sched, valid = mla_mosaic.persistent_schedule(
-        jnp.full((batch,), visible, jnp.int32), n_nodes, mla_mosaic.MosaicMLAConfig().block_k, row_blocks, sms, pieces
-    )
+    """The persistent schedule's ranges: `visible` `[B]` is each sequence's visible prefix (`tree_inputs`)."""
+    block_k = mla_mosaic.MosaicMLAConfig().block_k
+    sched, valid = mla_mosaic.persistent_schedule(visible, n_nodes, block_k, row_blocks, sms, pieces)
     total, per_cta = int(sched[-2]), int(sched[-1])
     ranges = [(c * per_cta, min((c + 1) * per_cta, total)) for c in range(pl.cdiv(total, per_cta))]
     segments = [(hi - 1) // tiles - lo // tiles + 1 for lo, hi in ranges]  # every row block has `tiles` units
@@ -90,11 +91,13 @@ def layout(cell: tuple[int, int, int, int], sms: int, overhead: int) -> dict[str
     tiles = pl.cdiv(context + nodes, mla_mosaic.MosaicMLAConfig().block_k)
     grid_cfg = mla_mosaic.default_config(batch, rows, length)
     pers_cfg = mla_mosaic.default_config(batch, rows, length, mla_mosaic.MosaicMLAConfig(schedule="persistent"))
-    # Decode folds its one node into the prefix (the node sees itself): no tree block.
-    visible, n_nodes = (context + 1, 0) if nodes == 1 else (context, nodes)
+    # What the kernel sees of an all-visible tree (decode folds its one node into the prefix).
+    visible, _, n_nodes = tree_inputs(
+        jnp.ones((batch, nodes, nodes), bool), jnp.full((batch,), context, jnp.int32), heads, rows_pad
+    )
     merge_mb = lambda pieces: batch * pieces * rows_pad * PARTIAL_BYTES / 1e6 if pieces > 1 else 0.0  # 1: no merge
     grid = grid_layout(tiles, batch, row_blocks, grid_cfg.num_splits, sms, overhead)
-    pers = persistent_layout(tiles, visible, n_nodes, batch, row_blocks, pers_cfg.num_splits, sms, overhead)
+    pers = persistent_layout(tiles, visible, n_nodes, row_blocks, pers_cfg.num_splits, sms, overhead)
     return {
         "cell": "/".join(map(str, cell)),
         "tiles": tiles,

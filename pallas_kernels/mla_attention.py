@@ -167,10 +167,10 @@ def _kernel(
         if masked:
             slot = start + cols
             own = (slot >= t * block_k) & (slot < total)
-            vis = own[None, :] & (slot < prefix)[None, :]
+            seen = (slot < prefix)[None, :]
             if n_nodes:
-                vis |= own[None, :] & _tree_visible(words, slot - prefix, n_nodes)
-            s = jnp.where(vis, s, -jnp.inf)
+                seen = seen | _tree_visible(words, slot - prefix, n_nodes)
+            s = jnp.where(own[None, :] & seen, s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - m_new[:, None])
