@@ -6,8 +6,10 @@ reference and each --kernels entry over a matrix of (context, nodes, batch, head
 (`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S split between the two compute warpgroups
 by slots, no MMA work repeated), `mosaic_duplicate` (S computed by both, `softmax="duplicate"`), `mosaic_shared`
 (P shared between them, `softmax="shared"`), and `mosaic_k32` / `mosaic_k32_shared` (32-slot KV tiles in a
-4-deep ring, S computed by both / shared). Per cell: time, bytes, FLOPs and the
-roofline fraction max(bytes / copy bandwidth, FLOPs / matmul rate) / time. A call's time is the difference between
+4-deep ring, S computed by both / shared). Per cell: time, bytes, FLOPs and the roofline fraction
+max(bytes / copy bandwidth, FLOPs / matmul rate) / time; with `--read_floor`, also the time of one XLA kernel that
+only reads the cell's cache slots, timed the same way, and the share of the copy bandwidth it reaches: what reading
+that many bytes costs at that size with no attention math and no merge. A call's time is the difference between
 jitted programs of `--inner` (50; unrolled 10) and 2 x `--inner` dependent calls (`mla_common.per_call_time`):
 launch gaps between kernels count, host dispatch and the final sync do not. `--loop` chains the calls in a while
 loop that carries the cache and rewrites one slot before each call, as the engine's generation loop does (default),
@@ -98,6 +100,12 @@ flags.DEFINE_integer(
     CACHE_ALIGN,
     "cache length: context + N rounded up to this multiple (1: none)",
     lower_bound=1,
+)
+flags.DEFINE_bool(
+    "read_floor",
+    True,
+    "per cell, also time XLA reading the cell's cache slots (a row reduction) in the same loop: what the bytes "
+    "alone cost at this size (read_us, read_of_copy)",
 )
 flags.DEFINE_bool("check", True, "check each kernel against an f32 reference on the GPU first (about a minute)")
 flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this")
@@ -266,6 +274,13 @@ def check(
     return records
 
 
+def read_slots(length: int, q: jax.Array, cache: jax.Array, prefix: jax.Array, mask: jax.Array) -> jax.Array:
+    """`[B, length, 1, 1]`: the max of each of the first `length` cache slots `[B, L, 576]`, so each of their bytes
+    is read once (the size-matched floor for the call's bytes; q, prefix and mask are unused)."""
+    del q, prefix, mask
+    return jnp.max(cache[:, :length], axis=2)[:, :, None, None]
+
+
 def bench_cell(
     rng: np.random.Generator,
     cell: tuple[int, int, int, int],
@@ -291,6 +306,9 @@ def bench_cell(
     if ref_set < FLAGS.mem_gib * 2**30:
         ref_fn = lambda q_, c_, p_, m_: mla_attention_reference(q_, c_, p_, m_, SCALE, DV)
         ref_t, _ = time_per_call(ref_fn, (q, cache, prefix, mask))
+    if FLAGS.read_floor:
+        read_t, _ = time_per_call(functools.partial(read_slots, context + n), (q, cache, prefix, mask))
+        base |= {"read_us": read_t * 1e6, "read_of_copy": batch * (context + n) * DK * 2 / ceilings["bw"] / read_t}
     records = []
     for name, splits in kernels:
         fn, label = kernel(name, batch, n * heads, cache.shape[1], splits)
@@ -348,6 +366,8 @@ def main(argv: Sequence[str]) -> None:
         "bound",
         "roofline",
         "ref_roofline",
+        "read_us",
+        "read_of_copy",
         "config",
     ]
     extra = {

@@ -13,7 +13,8 @@
 #   and (STAGES=mla_schedule) the Mosaic variants not yet timed against the default, same run: the persistent
 #   schedule and one meeting per tile (also at 240 registers, where ptxas spills nothing), verify at 8192 x
 #   {17, 33} nodes x B{1, 8} x 64 heads with GPU checks (bench_mla_schedule_verify) and 64-head decode at
-#   {4096, 8192} x B{8, 32} (bench_mla_schedule_decode); about 9 min
+#   {4096, 8192} x B{8, 32} with also the split merge written for fusion (combine=fused), each cell beside XLA
+#   reading its cache bytes alone (bench_mla_schedule_decode); about 9.5 min
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -74,8 +75,9 @@ MLA_VARIANTS=(--kernels=mosaic --mosaic_tiling=schedule=persistent --mosaic_tili
   --mosaic_tiling=meetings=1,compute_registers=240)
 want mla_schedule && stage mla_schedule_verify 330 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
   --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64 "${MLA_VARIANTS[@]}" --name=bench_mla_schedule_verify
-want mla_schedule && stage mla_schedule_decode 200 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
-  --contexts=4096,8192 --nodes=1 --batches=8,32 --heads=64 "${MLA_VARIANTS[@]}" --check=false \
+want mla_schedule && stage mla_schedule_decode 230 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
+  --contexts=4096,8192 --nodes=1 --batches=8,32 --heads=64 "${MLA_VARIANTS[@]}" --mosaic_tiling=combine=fused \
+  --check=false \
   --name=bench_mla_schedule_decode
 if want mla_profile; then
   mkdir -p "$RES/profiles"

@@ -99,8 +99,9 @@ class MosaicMLAConfig:
         tile) units, FlashMLA-like (`persistent_schedule`): no wave quantisation, one Q load and one partial per
         row block a CTA touches (typically one or two) instead of one per split. `num_splits` then caps the
         partials per row block (0: `persistent_pieces`). Not yet timed on a GPU.
-    combine: how the splits are merged (`mla_combine.merge_splits`): "xla" (three small XLA kernels) or "pallas"
-      (one Pallas kernel; slower but with many splits, bench_mla_combine_*).
+    combine: how the splits are merged (`mla_combine.merge_splits`): "xla" (three small XLA kernels), "fused" (the
+      same sums split by split, so XLA can fuse them; untimed) or "pallas" (one Pallas kernel; slower but with many
+      splits, bench_mla_combine_*).
     """
 
     block_k: int = 64

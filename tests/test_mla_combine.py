@@ -40,7 +40,7 @@ def random_partials(rng: np.random.Generator, b: int, s: int, rows_pad: int, dv:
     return o_bf16, jnp.asarray(lse), np.asarray(o_bf16.astype(jnp.float32), np.float64), lse.astype(np.float64)
 
 
-@pytest.mark.parametrize("method", ["pallas", "xla"])
+@pytest.mark.parametrize("method", ["pallas", "xla", "fused"])
 @pytest.mark.parametrize(("b", "s", "rows", "rows_pad"), [(2, 5, 64, 64), (1, 3, 136, 192), (2, 1, 40, 64)])
 def test_merge_matches_numpy(method, b, s, rows, rows_pad):
     rng = np.random.default_rng()
