@@ -8,7 +8,13 @@ offline:
      about 400 MB, fetched by pip into --cache_dir on first use) with `MOSAIC_GPU_DUMP_PTX=1`: it prints the PTX.
      The plugin asks the CUDA driver only for the compute capability before that, so the child loads a stand-in
      `libcuda.so.1` (built with gcc on first use) that reports 9.0 and refuses to load modules;
-  3. run `ptxas -arch=sm_90a -v` on the PTX.
+  3. run `ptxas -arch=sm_90a -v` on the PTX;
+  4. (`--sass`, default) disassemble the cubin with `nvdisasm` (the `nvidia-cuda-nvdisasm` wheel, about 30 MB,
+     fetched the same way) and find the tile loops: the innermost loops (backward branches before the kernel's
+     last EXIT; the mbarrier polling stubs after it branch back too and are not loops) that issue wgmmas (HGMMA).
+     Per kernel: their count, the fewest and most instructions in one (the unmasked and the masked tile), wgmmas
+     per tile, and the spill instructions (STL / LDL) inside them against the kernel's total: whether ptxas's
+     spill bytes cost something every tile or once per segment.
 On the H200 the same cells gave the same ptxas report (profiles/ptxas_overlap*.txt). Example:
 
     .venv/bin/python -m experiments.ptxas_report --cells=8192/1/8/64 --tiling= --tiling=overlap=true
@@ -45,6 +51,7 @@ flags.DEFINE_string("ptxas", None, "ptxas binary (default: on PATH, else /usr/lo
 flags.DEFINE_string("cache_dir", ".cache/ptxas_report", "where the CUDA plugin wheel and the stand-in driver go")
 flags.DEFINE_string("out_dir", None, "results folder (default experiments/results)")
 flags.DEFINE_string("name", "ptxas_report", "record name")
+flags.DEFINE_bool("sass", True, "also disassemble the cubin (nvdisasm) and summarise its tile loops")
 
 ARCH = "sm_90a"
 # The stand-in CUDA driver: one device of compute capability 9.0 (attributes 75 / 76); module loads fail.
@@ -89,6 +96,49 @@ def summarize(log: str) -> dict[str, object]:
     }
 
 
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+`?\(?(\.L_x_\d+)")
+_PREDICATED = r"^(?:@!?U?P[T\d]+\s+)?"
+
+
+def _opcode(instruction: str, name: str) -> bool:
+    return re.match(_PREDICATED + name + r"\b", instruction) is not None
+
+
+def sass_loops(sass: str) -> dict[str, int]:
+    """nvdisasm output of one kernel -> its tile loops (innermost loops holding an HGMMA, closed by a backward
+    branch before the last EXIT): count, fewest and most instructions, HGMMAs per loop (most), spill instructions
+    (STL / LDL) inside them and in the whole kernel."""
+    labels: dict[str, int] = {}
+    code: list[str] = []
+    for line in sass.splitlines():
+        if label := _LABEL.match(line):
+            labels[label.group(1)] = len(code)
+        elif instruction := _INSTRUCTION.search(line):
+            code.append(instruction.group(1))
+    exits = [i for i, ins in enumerate(code) if _opcode(ins, "EXIT")]
+    if not exits:
+        raise UserError("nvdisasm printed no kernel code (no EXIT)")
+    loops = []
+    for i, ins in enumerate(code[: exits[-1]]):
+        target = _BRANCH.search(ins) if _opcode(ins, "BRA") else None
+        if target and labels.get(target.group(1), i + 1) <= i:
+            loops.append((labels[target.group(1)], i))
+    count = lambda lo, hi, *names: sum(any(_opcode(x, n) for n in names) for x in code[lo : hi + 1])
+    mma = [(lo, hi) for lo, hi in loops if count(lo, hi, "HGMMA")]
+    tiles = [(lo, hi) for lo, hi in mma if not any((lo, hi) != o and lo <= o[0] and o[1] <= hi for o in mma)]
+    sizes = [hi - lo + 1 for lo, hi in tiles] or [0]
+    return {
+        "tile_loops": len(tiles),
+        "tile_instrs_min": min(sizes),
+        "tile_instrs_max": max(sizes),
+        "hgmma_per_tile": max([count(lo, hi, "HGMMA") for lo, hi in tiles] or [0]),
+        "tile_spill_instrs": sum(count(lo, hi, "STL", "LDL") for lo, hi in tiles),
+        "spill_instrs": count(0, len(code) - 1, "STL", "LDL"),
+    }
+
+
 def mosaic_modules(cell: tuple[int, int, int, int], tiling: mla_mosaic.MosaicMLAConfig) -> list[bytes]:
     """The serialised Mosaic GPU module(s) of one call, lowered for CUDA on this machine."""
     context, nodes, batch, heads = cell
@@ -118,6 +168,27 @@ def plugin(cache: Path) -> Path:
         if subprocess.run([*cmd, f"jax-cuda13-pjrt=={version}"]).returncode or not so.exists():
             raise UserError(f"could not install jax-cuda13-pjrt=={version} into {target}")
     return so
+
+
+def nvdisasm(cache: Path) -> Path:
+    """nvdisasm of the `nvidia-cuda-nvdisasm` wheel, installed into the cache on first use."""
+    target = cache / "nvdisasm"
+    found = sorted(target.glob("nvidia/*/bin/nvdisasm"))
+    if not found:
+        logging.info("fetching nvidia-cuda-nvdisasm into %s", target)
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
+        subprocess.run([*cmd, "nvidia-cuda-nvdisasm"])
+        found = sorted(target.glob("nvidia/*/bin/nvdisasm"))
+        if not found:
+            raise UserError(f"could not install nvidia-cuda-nvdisasm into {target} (or pass --nosass)")
+    return found[-1]
+
+
+def disassemble(tool: Path, work: Path) -> str:
+    run = subprocess.run([str(tool), "-c", str(work / "kernel.cubin")], capture_output=True, text=True)
+    if run.returncode:
+        raise UserError(f"nvdisasm failed: {run.stderr.strip()[-300:]!r}")
+    return run.stdout
 
 
 def stand_in_driver(cache: Path) -> Path:
@@ -163,6 +234,7 @@ def main(argv: list[str]) -> None:
     ptxas = find_tool("ptxas", FLAGS.ptxas, "/usr/local/cuda/bin/ptxas")
     cache = Path(FLAGS.cache_dir)
     so, driver = plugin(cache), stand_in_driver(cache)
+    disasm = nvdisasm(cache) if FLAGS.sass else None
     out_dir = Path(FLAGS.out_dir) if FLAGS.out_dir else common.RESULTS_DIR
     version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     records, logs = [], []
@@ -173,11 +245,16 @@ def main(argv: list[str]) -> None:
                     log = ptxas_log(ptx(module, so, driver, Path(tmp)), ptxas, Path(tmp))
                     row = {"cell": "/".join(map(str, cell)), "tiling": text or "default", "kernel": k}
                     records.append(row | summarize(log))
+                    if disasm:
+                        records[-1] |= sass_loops(disassemble(disasm, Path(tmp)))
                     logs.append(f"# {row}\n{log}")
                     logging.info("%s", records[-1])
     (out_dir / "profiles").mkdir(parents=True, exist_ok=True)
     (out_dir / "profiles" / f"{FLAGS.name}.txt").write_text("\n".join(logs))
     columns = ["cell", "tiling", "kernel", "serialized", "injected_fences", "spill_stores", "spill_loads", "registers"]
+    if disasm:
+        columns += ["tile_loops", "tile_instrs_min", "tile_instrs_max", "hgmma_per_tile", "tile_spill_instrs"]
+        columns += ["spill_instrs"]
     path = common.write_results(FLAGS.name, records, columns, out_dir, extra={"ptxas": version, "arch": ARCH})
     print(f"wrote {path}")
 
