@@ -9,7 +9,7 @@ offline:
      The plugin asks the CUDA driver only for the compute capability before that, so the child loads a stand-in
      `libcuda.so.1` (built with gcc on first use) that reports 9.0 and refuses to load modules;
   3. run `ptxas -arch=sm_90a -v` on the PTX;
-  4. (`--sass`, default) disassemble the cubin with `nvdisasm` (the `nvidia-cuda-nvdisasm` wheel, about 30 MB,
+  4. (`--sass`, default) disassemble the cubin with `nvdisasm` (the `nvidia-cuda-nvdisasm` wheel, about 5 MB,
      fetched the same way) and find the tile loops: the innermost loops (backward branches before the kernel's
      last EXIT; the mbarrier polling stubs after it branch back too and are not loops) that issue wgmmas (HGMMA).
      Per kernel: their count, the fewest and most instructions in one (the unmasked and the masked tile), wgmmas
