@@ -16,6 +16,9 @@
 #   {17, 33} nodes x B{1, 8} x 64 heads with GPU checks (bench_mla_schedule_verify) and 64-head decode at
 #   {4096, 8192} x B{8, 32} with also the split merge written for fusion (combine=fused), each cell beside XLA
 #   reading its cache bytes alone (bench_mla_schedule_decode); about 9.5 min
+#   and (STAGES=mla_splits) the Mosaic kernel's decode at B8 over 4096 and 8192 slots, 64 and 8 heads, at split
+#   counts 2-26 beside the one `wave_splits` picks (which leaves the merge's bytes out of its model) and beside
+#   XLA reading the same bytes (bench_mla_decode_splits; about 3 min)
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -80,6 +83,9 @@ want mla_schedule && stage mla_schedule_decode 230 "$PY" -m experiments.bench_ml
   --contexts=4096,8192 --nodes=1 --batches=8,32 --heads=64 "${MLA_VARIANTS[@]}" --mosaic_tiling=combine=fused \
   --check=false \
   --name=bench_mla_schedule_decode
+want mla_splits && stage mla_splits 240 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
+  --contexts=4096,8192 --nodes=1 --batches=8 --heads=64,8 --kernels=mosaic --mosaic_splits=2,4,6,8,10,16,20,26 \
+  --check=false --name=bench_mla_decode_splits
 if want mla_profile; then
   mkdir -p "$RES/profiles"
   # No preallocation: ncu saves and restores the GPU memory XLA holds around every kernel replay. The CLI prints
