@@ -44,28 +44,28 @@ def combine_xla(o_part: jax.Array, lse: jax.Array) -> jax.Array:
     return jnp.sum(w[..., None] * o_part.astype(jnp.float32), axis=1)
 
 
-def combine_fused(o_part: jax.Array, lse: jax.Array) -> jax.Array:
-    """o_part `[B, S, R, dv]`, lse `[B, S, R]` f32 -> `[B, R, dv]` f32, as `combine_xla` but one split at a time."""
-    lses = [lse[:, s] for s in range(lse.shape[1])]
+def merge_slices(parts: list[jax.Array], lses: list[jax.Array]) -> jax.Array:
+    """The merge written split by split: parts S x `[..., R, dv]`, lses S x `[..., R]` f32 -> `[..., R, dv]` f32
+    (elementwise maxima and sums, no reduction over a split axis; shared by `combine_fused` and the Pallas kernel)."""
     m = functools.reduce(jnp.maximum, lses)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = [jnp.exp(x - m) for x in lses]
     total = functools.reduce(jnp.add, w)
-    parts = (w_s[..., None] * o_part[:, s].astype(jnp.float32) for s, w_s in enumerate(w))
-    return functools.reduce(jnp.add, parts) / total[..., None]
+    acc = functools.reduce(jnp.add, (w_s[..., None] * o.astype(jnp.float32) for w_s, o in zip(w, parts, strict=True)))
+    return acc / total[..., None]
+
+
+def combine_fused(o_part: jax.Array, lse: jax.Array) -> jax.Array:
+    """o_part `[B, S, R, dv]`, lse `[B, S, R]` f32 -> `[B, R, dv]` f32, as `combine_xla` but one split at a time."""
+    splits = range(lse.shape[1])
+    return merge_slices([o_part[:, s] for s in splits], [lse[:, s] for s in splits])
 
 
 def _kernel(o_ref, lse_ref, out_ref, *, num_splits: int):
     """One (row block, column block, sequence) program: o_ref `[S, rb, bd]`, lse_ref `[S, rb]` f32 -> out_ref
     `[rb, bd]`. The loops over the splits are unrolled, so every split's loads can be in flight at once."""
-    lse = [lse_ref[s] for s in range(num_splits)]
-    m = functools.reduce(jnp.maximum, lse)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    acc, l_sum = jnp.zeros(out_ref.shape, jnp.float32), jnp.zeros_like(m)
-    for s in range(num_splits):
-        w = jnp.exp(lse[s] - m)
-        acc, l_sum = acc + w[:, None] * o_ref[s].astype(jnp.float32), l_sum + w
-    out_ref[...] = (acc / l_sum[:, None]).astype(out_ref.dtype)
+    splits = range(num_splits)
+    out_ref[...] = merge_slices([o_ref[s] for s in splits], [lse_ref[s] for s in splits]).astype(out_ref.dtype)
 
 
 def _row_block(rows: int) -> int:
