@@ -42,9 +42,13 @@ import functools
 import math
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, scf, vector
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -57,12 +61,48 @@ SMEM_LIMIT = 232_448  # bytes of shared memory one CTA may use on an H100 / H200
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
 _ROW = plgpu.Layout.WGMMA.reduce(1)
+RESCALE_THRESHOLD = 8.0  # lazy_rescale: log2 units a row's scores may pass its running maximum (P <= 2^8)
 SOFTMAX_MODES = ("split", "duplicate", "shared")  # MosaicMLAConfig.softmax
 SCHEDULES = ("grid", "persistent")  # MosaicMLAConfig.schedule
 # Registers per thread the 384-thread CTA launches with: 64K per SM, in steps of 8 (168, as ncu reports).
 LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
 # Interpret mode as the hardware behaves here: TMA reads past the cache end give zeros.
 INTERPRET_PARAMS = plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+
+
+def _scale_moved_rows(ctx, alpha: mgpu.FragmentedArray, acc: mgpu.FragmentedArray) -> mgpu.FragmentedArray:
+    """`inline_mgpu` body of `scale_rows`: each thread multiplies its accumulator registers by its rows' alpha
+    only if one of those (two) rows has alpha != 1; the others branch around the multiplies."""
+    del ctx
+    f32 = ir.F32Type.get()
+    one = arith.constant(f32, ir.FloatAttr.get(f32, 1.0))
+    moved = None
+    for reg in alpha.registers.flat:
+        width = reg.type.shape[0] if isinstance(reg.type, ir.VectorType) else 0
+        for value in [vector.extract(reg, [], [i]) for i in range(width)] or [reg]:
+            differs = arith.cmpf(arith.CmpFPredicate.UNE, value, one)
+            moved = differs if moved is None else arith.ori(moved, differs)
+    branch = scf.IfOp(moved, [r.type for r in acc.registers.flat], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+        scf.yield_(list(scaled.registers.flat))
+    with ir.InsertionPoint(branch.else_block):
+        scf.yield_(list(acc.registers.flat))
+    registers = np.empty(acc.registers.shape, dtype=object)
+    for i, result in enumerate(branch.results):
+        registers.flat[i] = result
+    return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
+
+
+# Interpret mode (`mosaic_interpret`) runs this instead: the same values, with no branch.
+_scale_moved_rows.interpret_as = lambda alpha, acc: acc * alpha[:, None]
+
+
+def scale_rows(acc: jax.Array, alpha: jax.Array) -> jax.Array:
+    """acc `[64, n]` f32 (WGMMA layout) times alpha `[64]` (its row layout) row by row, where a thread whose rows
+    all have alpha == 1 skips its multiplies (`MosaicMLAConfig.lazy_rescale`)."""
+    out = plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA)
+    return plgpu.inline_mgpu(arg_types=(_ROW, plgpu.Layout.WGMMA), return_type=out)(_scale_moved_rows)(alpha, acc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +132,11 @@ class MosaicMLAConfig:
       the one meeting reads the other's half into registers and rescales both halves to the agreed maximum (a bf16
       multiply by a factor of 1 unless a row's maximum grew); a one-way barrier per half (`p_bars`) keeps a
       warpgroup from overwriting a half the other has not read yet.
+    lazy_rescale: (split softmax, two meetings) FA4's conditional rescaling: a row's running maximum moves only
+      when the tile's maximum passes it by more than RESCALE_THRESHOLD (log2 units; P <= 2^8 otherwise, exact
+      either way), so after the first tiles alpha is 1 for nearly every row, and the `[64, 256]` accumulator's
+      rescale (128 FMULs per thread per tile, on the path to the P V wgmma) is skipped by every thread whose rows
+      did not move (`scale_rows`). Not yet timed on a GPU.
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
     schedule: how the work is laid out on CTAs.
       "grid" (default): one CTA per (row block, split, sequence); `num_splits` splits of the context.
@@ -114,6 +159,7 @@ class MosaicMLAConfig:
     overlap: bool = False
     combine: str = "xla"
     meetings: int = 2
+    lazy_rescale: bool = False
     schedule: str = "grid"
     ctas: int = 0
 
@@ -131,6 +177,8 @@ class MosaicMLAConfig:
             raise ValueError(f"overlap pipelines the split softmax only: {self}")
         if self.meetings not in (1, 2) or (self.meetings == 1 and (self.softmax != "split" or self.overlap)):
             raise ValueError(f"meetings is 2, or 1 with the split softmax and no overlap: {self}")
+        if self.lazy_rescale and (self.softmax != "split" or self.overlap or self.meetings != 2):
+            raise ValueError(f"lazy_rescale needs the split softmax with two meetings and no overlap: {self}")
         if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
             raise ValueError(f"P V's K dim (block_k, halved by the split softmax) must be a multiple of 32: {self}")
 
@@ -427,8 +475,13 @@ def _kernel(
 
             def softmax(s, m_i):
                 """This warpgroup's S half of a tile -> (running max, rescale alpha, P half in f32); the row maxima
-                are agreed with the other warpgroup at a meeting."""
-                m_own = jnp.maximum(m_i, s.max(axis=1))
+                are agreed with the other warpgroup at a meeting (lazy_rescale: a row's maximum moves only past
+                the threshold, so alpha is then exactly 1)."""
+                m_tile = s.max(axis=1)
+                if config.lazy_rescale:
+                    m_own = jnp.where(m_tile > m_i + RESCALE_THRESHOLD, m_tile, m_i)
+                else:
+                    m_own = jnp.maximum(m_i, m_tile)
                 m_new = jnp.maximum(m_own, swap(m_own))
                 alpha = jnp.exp2(m_i - m_new)
                 return m_new, alpha, jnp.exp2(s - row_bcast(m_new, s))
@@ -455,7 +508,8 @@ def _kernel(
                     plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
                     plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
 
-                acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
+                rescaled = scale_rows(acc, alpha) if config.lazy_rescale else acc * row_bcast(alpha, acc)
+                acc = pl.run_state(body)(plgpu.ACC.init(rescaled))
                 plgpu.barrier_arrive(free_bars.at[slot])
                 return acc, m_new, l_i
 

@@ -5,7 +5,9 @@ jax 0.11.2's GPU interpreter lacks three things `mla_mosaic.py` (like the shippe
 effects: _WGMMAPipelineEffect, IOEffect"), wgmma with a register LHS (it reads every operand from simulated SMEM)
 and writes to an accumulator (`acc_ref[...] = value`). `install()` adds the three to the interpreter class, with the
 documented semantics (the accumulator starts at the init value or the written one, wgmma adds a @ b, run_state
-returns the final values); everything else still runs the interpreter's own code. Waits are synchronous there:
+returns the final values), and runs an `inline_mgpu` function that names a plain-JAX equivalent (`interpret_as`)
+as that equivalent (the interpreter cannot run Mosaic GPU code); everything else still runs the interpreter's own
+code. Waits are synchronous there:
 every wgmma has completed when it returns, whatever `wait_n` a read of its accumulator gives. Installed once per
 process, on the first interpret-mode call of the Mosaic MLA kernel (logged). Interpret mode only: nothing here runs
 on a GPU.
@@ -102,6 +104,15 @@ def _interpret_swap(orig, self, eqn, token, get_invals):
         return orig(self, eqn, token, get_invals)
     acc, value, *_ = get_invals()
     return _call(self, eqn, token, _store_accumulator, acc_key=acc, value=value), value
+
+
+def _interpret_inline_mgpu(orig, self, eqn, token, get_invals):
+    """An `inline_mgpu` whose function names a plain-JAX equivalent (`interpret_as`, e.g.
+    `mla_mosaic.scale_rows`) runs that on its inputs; any other goes to the interpreter (which refuses it)."""
+    equivalent = getattr(eqn.params["mgpu_fn"], "interpret_as", None)
+    if equivalent is None:
+        return orig(self, eqn, token, get_invals)
+    return token, [equivalent(*get_invals())]
 
 
 def is_ref(x: jax_core.Atom) -> bool:
@@ -218,8 +229,12 @@ def install() -> None:
         "interpret": _interpret,
         "_interpret_wgmma_ref_p": _interpret_wgmma,
         "_interpret_swap_p": _interpret_swap,
+        "_interpret_inline_mgpu_p": _interpret_inline_mgpu,
     }
     for name, patch in patches.items():
         setattr(cls, name, _before(getattr(cls, name), patch))
     _installed = True
-    logging.info("Mosaic GPU interpreter patched for run_state accumulators, accumulator writes, register-LHS wgmma")
+    logging.info(
+        "Mosaic GPU interpreter patched for run_state accumulators, accumulator writes, register-LHS wgmma, "
+        "inline_mgpu with a plain-JAX equivalent"
+    )

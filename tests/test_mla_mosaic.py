@@ -72,6 +72,7 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (2, 17, 64, 8192, MosaicMLAConfig(meetings=1)),
         (8, 17, 64, 8192, MosaicMLAConfig(schedule="persistent")),
         (8, 1, 64, 4096, MosaicMLAConfig(schedule="persistent", meetings=1)),
+        (2, 17, 64, 8192, MosaicMLAConfig(lazy_rescale=True)),
         (2, 17, 8, 1000, MosaicMLAConfig(schedule="persistent", softmax="shared")),
     ],
 )
@@ -119,6 +120,9 @@ def test_config_checks():
         MosaicMLAConfig(softmax="shared", overlap=True)
     for bad in (dict(meetings=3), dict(meetings=1, softmax="duplicate"), dict(meetings=1, overlap=True)):
         with pytest.raises(ValueError, match="meetings"):
+            MosaicMLAConfig(**bad)
+    for bad in (dict(lazy_rescale=True, softmax="shared"), dict(lazy_rescale=True, meetings=1)):
+        with pytest.raises(ValueError, match="lazy_rescale"):
             MosaicMLAConfig(**bad)
     for bad in (
         dict(schedule="waves"),
@@ -171,6 +175,26 @@ def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
     assert rel_err(out, ref) < 1e-2
     # The mask matters on these inputs: letting every node see the whole block gives a different answer.
     assert rel_err(out, reference(q, cache, prefix, jnp.ones_like(mask))) > 5e-2
+
+
+def test_lazy_rescale_with_scores_growing_along_the_cache():
+    """lazy_rescale on a cache whose slot norms grow 4x from first to last, so rows' running maxima pass the
+    threshold again in later tiles (counted here from the scores, so the inputs must exercise it) while most tiles
+    stay under it (P up to 2^8); against the reference, with the race detector on."""
+    rng = np.random.default_rng()
+    batch, heads, n, length = 2, 4, 17, 400
+    q, cache, prefix = inputs(rng, batch, n, heads, length, [length - n, 150])
+    cache = (cache.astype(jnp.float32) * jnp.linspace(1.0, 4.0, length)[None, :, None]).astype(jnp.bfloat16)
+    mask = jnp.asarray(random_parent_mask(rng, batch, n))
+    scores = np.einsum("bnhd,bld->bnhl", np.float64(q), np.float64(cache)) * SCALE * np.log2(np.e)
+    passes = 0
+    for b in range(batch):
+        tiles = scores[b, ..., : int(prefix[b]) // 64 * 64].reshape(n, heads, -1, 64).max(-1)
+        running = np.maximum.accumulate(tiles, axis=-1)
+        passes += int((tiles[..., 1:] > running[..., :-1] + 8.0).sum())
+    assert passes >= 10, passes
+    config = MosaicMLAConfig(num_splits=2, lazy_rescale=True)
+    assert rel_err(run(q, cache, prefix, mask, config, races=True), reference(q, cache, prefix, mask)) < 1e-2
 
 
 @pytest.mark.parametrize("config", [MosaicMLAConfig(num_splits=2), MosaicMLAConfig(num_splits=2, softmax="duplicate")])
