@@ -234,6 +234,7 @@ def kernel(
     label += "" if cfg.swap_fence == DEFAULT_TILING.swap_fence else ("fence" if cfg.swap_fence else "nf")
     label += "ov" if cfg.overlap else ""
     label += "m1" if cfg.meetings == 1 else ""
+    label += "lz" if cfg.lazy_rescale else ""
     label += "" if cfg.schedule == "grid" else f"pers{cfg.ctas or ''}"
     label += "" if cfg.combine == DEFAULT_TILING.combine else f"c{cfg.combine}"
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
@@ -246,12 +247,17 @@ def check(
     rng: np.random.Generator, kernels: list[tuple[str, mla_mosaic.MosaicMLAConfig | None]]
 ) -> list[dict[str, Any]]:
     """GPU correctness of each (kernel name, Mosaic tiling or None) entry: ragged prefixes, random trees (poisoned
-    partials for Triton); rel. err vs an f32 reference."""
+    partials for Triton), and one cache whose slot norms grow 4x along it (rows' running maxima keep moving in late
+    tiles: `lazy_rescale`'s rescales); rel. err vs an f32 reference."""
     records = []
     shrink = 50 if FLAGS.interpret else 1  # interpret mode is slow: shorter contexts
-    for context, n, batch, heads in [(4000, 1, 4, 64), (8100, 17, 3, 8), (300, 33, 2, 64), (50, 65, 2, 8)]:
+    cells = [(4000, 1, 4, 64, 1.0), (8100, 17, 3, 8, 1.0), (300, 33, 2, 64, 1.0), (50, 65, 2, 8, 1.0)]
+    for context, n, batch, heads, growth in [*cells, (2000, 17, 2, 64, 4.0)]:
         context //= shrink
         q, cache, _, mask = make_inputs(rng, context, n, batch, heads)
+        if growth != 1.0:
+            norms = jnp.linspace(1.0, growth, cache.shape[1])[None, :, None]
+            cache = (cache.astype(jnp.float32) * norms).astype(cache.dtype)
         prefix = jnp.asarray(rng.integers(0, context + 1, batch), jnp.int32)
         with jax.default_matmul_precision("highest"):
             ref = mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), prefix, mask, SCALE)
@@ -265,6 +271,7 @@ def check(
                     "nodes": n,
                     "batch": batch,
                     "heads": heads,
+                    "growth": growth,
                     "rel_err": err,
                     "ok": bool(err < 1e-2),
                     "config": label,

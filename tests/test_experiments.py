@@ -353,7 +353,7 @@ def test_bench_mla_interpret(tmp_path):
         f"--out_dir={tmp_path}",
     )
     payload = json.loads((tmp_path / "bench_mla.json").read_text())
-    assert all(c["ok"] and c["kernel"] == "triton" for c in payload["checks"]) and len(payload["checks"]) == 4
+    assert all(c["ok"] and c["kernel"] == "triton" for c in payload["checks"]) and len(payload["checks"]) == 5
     (rec,) = records(tmp_path / "bench_mla.json")
     assert (rec["context"], rec["nodes"], rec["kernel"]) == (100, 3, "triton") and rec["kernel_us"] > 0
     assert rec["read_us"] > 0 and rec["read_of_copy"] > 0
