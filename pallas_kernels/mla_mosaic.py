@@ -15,6 +15,8 @@ Work layout (FlashMLA-like):
   - "split" (the default): each warpgroup computes S for half of every tile's slots; they exchange row maxima and
     P halves through SMEM, and each adds P V for its columns over the whole tile. No MMA work is repeated. Two
     meetings per tile, or one with `meetings=1` (not yet timed: the halves are rescaled after the meeting);
+    `lazy_rescale=True` (not yet timed) moves a row's running maximum only past a threshold and skips the
+    accumulator's rescale in every thread whose rows did not move;
   - "duplicate": both warpgroups compute S = Q K^T and the masked online softmax of every tile (a third of the MMA
     work is then repeated, at 576 / 512 dims) with an FA3 ping-pong schedule barrier between them;
   - "shared": the tiles alternate between the warpgroups; the owner of a tile computes S and the softmax and
