@@ -11,8 +11,8 @@
 #   and verify calls, per SASS instruction (profiles/ncu_mla_source.csv.gz, from the saved report
 #   profiles/ncu_mla_source.ncu-rep), summarised by experiments.ncu_stalls (ncu_mla_stalls; about 1 min)
 #   and (STAGES=mla_schedule) the Mosaic variants not yet timed against the default, same run: the persistent
-#   schedule and one meeting per tile (both at 240 registers, where their tile loops spill nothing: ptxas_sass)
-#   and the lazy accumulator rescale (at 232 and 240 registers), verify at 8192 x
+#   schedule, one meeting per tile, the lazy accumulator rescale, and the last two together (all at 240
+#   registers, where their tile loops spill nothing: ptxas_sass), verify at 8192 x
 #   {17, 33} nodes x B{1, 8} x 64 heads with GPU checks (bench_mla_schedule_verify) and 64-head decode at
 #   {4096, 8192} x B{8, 32} with also the split merge written for fusion (combine=fused), each cell beside XLA
 #   reading its cache bytes alone (bench_mla_schedule_decode); about 9.5 min
@@ -76,8 +76,8 @@ want tree && stage tree "$TREE_S" "$PY" -m experiments.bench_tree_build --out_di
 want mla && stage mla "$MLA_S" "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=key \
   --kernels=triton,mosaic --name=bench_mla_carry
 MLA_VARIANTS=(--kernels=mosaic --mosaic_tiling=schedule=persistent,compute_registers=240
-  --mosaic_tiling=meetings=1,compute_registers=240 --mosaic_tiling=lazy_rescale=true
-  --mosaic_tiling=lazy_rescale=true,compute_registers=240)
+  --mosaic_tiling=meetings=1,compute_registers=240 --mosaic_tiling=lazy_rescale=true,compute_registers=240
+  --mosaic_tiling=lazy_rescale=true,meetings=1,compute_registers=240)
 want mla_schedule && stage mla_schedule_verify 330 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
   --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64 "${MLA_VARIANTS[@]}" --name=bench_mla_schedule_verify
 want mla_schedule && stage mla_schedule_decode 230 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \

@@ -130,11 +130,11 @@ class MosaicMLAConfig:
       (more registers, spills; bench_mla_overlap_verify, notes_mla seventh round).
     meetings: warpgroup meetings per tile of the split softmax (`compute_split`). 2: the row maxima are agreed at
       the first and the P halves exchanged at the second (the other's half then read by wgmma from SMEM). 1: each
-      publishes its P half computed against its own running maximum together with its tile row maximum, and after
-      the one meeting reads the other's half into registers and rescales both halves to the agreed maximum (a bf16
-      multiply by a factor of 1 unless a row's maximum grew); a one-way barrier per half (`p_bars`) keeps a
-      warpgroup from overwriting a half the other has not read yet.
-    lazy_rescale: (split softmax, two meetings) FA4's conditional rescaling: a row's running maximum moves only
+      publishes its P half computed against max(running maximum, its tile maximum), together with that maximum,
+      and after the one meeting reads the other's half into registers and rescales both halves to the agreed
+      maximum (a bf16 multiply by a factor of 1 unless a row's maximum grew); a one-way barrier per half
+      (`p_bars`) keeps a warpgroup from overwriting a half the other has not read yet.
+    lazy_rescale: (split softmax, no overlap) FA4's conditional rescaling: a row's running maximum moves only
       when the tile's maximum passes it by more than RESCALE_THRESHOLD (log2 units; P <= 2^8 otherwise, exact
       either way), so after the first tiles alpha is 1 for nearly every row, and the `[64, 256]` accumulator's
       rescale (128 FMULs per thread per tile, on the path to the P V wgmma) is skipped by every thread whose rows
@@ -179,8 +179,8 @@ class MosaicMLAConfig:
             raise ValueError(f"overlap pipelines the split softmax only: {self}")
         if self.meetings not in (1, 2) or (self.meetings == 1 and (self.softmax != "split" or self.overlap)):
             raise ValueError(f"meetings is 2, or 1 with the split softmax and no overlap: {self}")
-        if self.lazy_rescale and (self.softmax != "split" or self.overlap or self.meetings != 2):
-            raise ValueError(f"lazy_rescale needs the split softmax with two meetings and no overlap: {self}")
+        if self.lazy_rescale and (self.softmax != "split" or self.overlap):
+            raise ValueError(f"lazy_rescale needs the split softmax without overlap: {self}")
         if self.pv_k % 32 or self.num_stages < 1:  # P V's K dim fills whole swizzle tiles (32 or 64 columns)
             raise ValueError(f"P V's K dim (block_k, halved by the split softmax) must be a multiple of 32: {self}")
 
@@ -475,15 +475,20 @@ def _kernel(
                 schedule()  # both warpgroups meet (no ping-pong here: sched_bar is free)
                 return plgpu.load(stat_smem.at[1 - half], layout=_ROW)
 
+            def reference_max(m_i, m_tile):
+                """The row maximum this warpgroup's P half is computed against: max(m_i, m_tile); with lazy_rescale
+                m_i unless the tile's maximum passes it by more than RESCALE_THRESHOLD (alpha then stays 1)."""
+                if config.lazy_rescale:
+                    return jnp.where(m_tile > m_i + RESCALE_THRESHOLD, m_tile, m_i)
+                return jnp.maximum(m_i, m_tile)
+
+            def rescale_acc(acc, alpha):
+                return scale_rows(acc, alpha) if config.lazy_rescale else acc * row_bcast(alpha, acc)
+
             def softmax(s, m_i):
                 """This warpgroup's S half of a tile -> (running max, rescale alpha, P half in f32); the row maxima
-                are agreed with the other warpgroup at a meeting (lazy_rescale: a row's maximum moves only past
-                the threshold, so alpha is then exactly 1)."""
-                m_tile = s.max(axis=1)
-                if config.lazy_rescale:
-                    m_own = jnp.where(m_tile > m_i + RESCALE_THRESHOLD, m_tile, m_i)
-                else:
-                    m_own = jnp.maximum(m_i, m_tile)
+                are agreed with the other warpgroup at a meeting."""
+                m_own = reference_max(m_i, s.max(axis=1))
                 m_new = jnp.maximum(m_own, swap(m_own))
                 alpha = jnp.exp2(m_i - m_new)
                 return m_new, alpha, jnp.exp2(s - row_bcast(m_new, s))
@@ -510,20 +515,18 @@ def _kernel(
                     plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, own, cols])
                     plgpu.wgmma(acc_ref, p_smem.at[1 - half], kv_smem.at[slot, other, cols])
 
-                rescaled = scale_rows(acc, alpha) if config.lazy_rescale else acc * row_bcast(alpha, acc)
-                acc = pl.run_state(body)(plgpu.ACC.init(rescaled))
+                acc = pl.run_state(body)(plgpu.ACC.init(rescale_acc(acc, alpha)))
                 plgpu.barrier_arrive(free_bars.at[slot])
                 return acc, m_new, l_i
 
             def tile_one_meeting(t, carry, masked: bool):
-                """`tile` with one meeting: P half against max(running max, own tile maximum), published with that
-                tile maximum; after the meeting both halves are rescaled to the agreed maximum in registers (each
-                warpgroup computes the same maximum and factors, so the two use the same bf16 P)."""
+                """`tile` with one meeting: P half against its reference maximum (`reference_max`), published with
+                it; after the meeting both halves are rescaled to the agreed maximum in registers (each warpgroup
+                computes the same maximum and factors, so the two use the same bf16 P)."""
                 acc, m_i, l_i = carry
                 slot = lax.rem(t - t_lo, stages)
                 s = scores(t, slot, words, masked, ping_pong=False, first=half * hk, width=hk)
-                m_tile = s.max(axis=1)
-                m_ref = jnp.maximum(m_i, m_tile)
+                m_ref = reference_max(m_i, s.max(axis=1))
                 p = jnp.exp2(s - row_bcast(m_ref, s))
                 p_sum, p16 = p.sum(axis=1), p.astype(kv_smem.dtype)  # the f32 P is dead from here
 
@@ -532,14 +535,14 @@ def _kernel(
                     plgpu.barrier_wait(p_bars.at[half])
 
                 p_smem.at[half][...] = p16
-                stat_smem.at[half][...] = m_tile
+                stat_smem.at[half][...] = m_ref
                 schedule()  # the one meeting: ordinary stores before it, ordinary loads after (no async-proxy fence)
                 m_other = plgpu.load(stat_smem.at[1 - half], layout=_ROW)
                 p_other = plgpu.load(p_smem.at[1 - half], layout=plgpu.Layout.WGMMA)
                 plgpu.barrier_arrive(p_bars.at[1 - half])
                 m_new = jnp.maximum(m_ref, m_other)
                 alpha, c_own = jnp.exp2(m_i - m_new), jnp.exp2(m_ref - m_new)
-                c_other = jnp.exp2(jnp.maximum(m_i, m_other) - m_new)
+                c_other = jnp.exp2(m_other - m_new)
                 # In bf16 (packed HMUL2; exact when the factor is 1, the common case): through f32 it took 115
                 # more instructions per tile than `tile`, this 29 (`ptxas_report --sass`, record ptxas_sass).
                 rescale = lambda x, c: x * row_bcast(c.astype(x.dtype), x)
@@ -549,7 +552,7 @@ def _kernel(
                     plgpu.wgmma(acc_ref, p_own, kv_smem.at[slot, own, cols])
                     plgpu.wgmma(acc_ref, p_other, kv_smem.at[slot, other, cols])
 
-                acc = pl.run_state(body)(plgpu.ACC.init(acc * row_bcast(alpha, acc)))
+                acc = pl.run_state(body)(plgpu.ACC.init(rescale_acc(acc, alpha)))
                 plgpu.barrier_arrive(free_bars.at[slot])
                 return acc, m_new, l_i * alpha + p_sum * c_own
 

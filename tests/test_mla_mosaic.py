@@ -73,6 +73,7 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (8, 17, 64, 8192, MosaicMLAConfig(schedule="persistent")),
         (8, 1, 64, 4096, MosaicMLAConfig(schedule="persistent", meetings=1)),
         (2, 17, 64, 8192, MosaicMLAConfig(lazy_rescale=True)),
+        (2, 17, 64, 8192, MosaicMLAConfig(lazy_rescale=True, meetings=1)),
         (2, 17, 8, 1000, MosaicMLAConfig(schedule="persistent", softmax="shared")),
     ],
 )
@@ -121,7 +122,7 @@ def test_config_checks():
     for bad in (dict(meetings=3), dict(meetings=1, softmax="duplicate"), dict(meetings=1, overlap=True)):
         with pytest.raises(ValueError, match="meetings"):
             MosaicMLAConfig(**bad)
-    for bad in (dict(lazy_rescale=True, softmax="shared"), dict(lazy_rescale=True, meetings=1)):
+    for bad in (dict(lazy_rescale=True, softmax="shared"), dict(lazy_rescale=True, overlap=True)):
         with pytest.raises(ValueError, match="lazy_rescale"):
             MosaicMLAConfig(**bad)
     for bad in (
@@ -177,7 +178,8 @@ def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
     assert rel_err(out, reference(q, cache, prefix, jnp.ones_like(mask))) > 5e-2
 
 
-def test_lazy_rescale_with_scores_growing_along_the_cache():
+@pytest.mark.parametrize("meetings", [2, 1])
+def test_lazy_rescale_with_scores_growing_along_the_cache(meetings: int):
     """lazy_rescale on a cache whose slot norms grow 4x from first to last, so rows' running maxima pass the
     threshold again in later tiles (counted here from the scores, so the inputs must exercise it) while most tiles
     stay under it (P up to 2^8); against the reference, with the race detector on."""
@@ -193,7 +195,7 @@ def test_lazy_rescale_with_scores_growing_along_the_cache():
         running = np.maximum.accumulate(tiles, axis=-1)
         passes += int((tiles[..., 1:] > running[..., :-1] + 8.0).sum())
     assert passes >= 10, passes
-    config = MosaicMLAConfig(num_splits=2, lazy_rescale=True)
+    config = MosaicMLAConfig(num_splits=2, lazy_rescale=True, meetings=meetings)
     assert rel_err(run(q, cache, prefix, mask, config, races=True), reference(q, cache, prefix, mask)) < 1e-2
 
 
@@ -218,6 +220,7 @@ def test_decode_single_node(heads: int):
         MosaicMLAConfig(num_splits=4, softmax="duplicate"),
         MosaicMLAConfig(num_splits=4, overlap=True),
         MosaicMLAConfig(num_splits=4, meetings=1),
+        MosaicMLAConfig(num_splits=4, lazy_rescale=True),
         MosaicMLAConfig(schedule="persistent", ctas=3),
     ]
     for config in (None, MosaicMLAConfig(num_splits=4), *configs):
