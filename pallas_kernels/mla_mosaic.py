@@ -544,7 +544,7 @@ def _kernel(
                 alpha, c_own = jnp.exp2(m_i - m_new), jnp.exp2(m_ref - m_new)
                 c_other = jnp.exp2(m_other - m_new)
                 # In bf16 (packed HMUL2; exact when the factor is 1, the common case): through f32 it took 115
-                # more instructions per tile than `tile`, this 29 (`ptxas_report --sass`, record ptxas_sass).
+                # more instructions per tile than `tile`, this 27 (`ptxas_report --sass`, record ptxas_sass).
                 rescale = lambda x, c: x * row_bcast(c.astype(x.dtype), x)
                 p_own, p_other = rescale(p16, c_own), rescale(p_other, c_other)
 
