@@ -7,10 +7,9 @@ and writes to an accumulator (`acc_ref[...] = value`). `install()` adds the thre
 documented semantics (the accumulator starts at the init value or the written one, wgmma adds a @ b, run_state
 returns the final values), and runs an `inline_mgpu` function that names a plain-JAX equivalent (`interpret_as`)
 as that equivalent (the interpreter cannot run Mosaic GPU code); everything else still runs the interpreter's own
-code. Waits are synchronous there:
-every wgmma has completed when it returns, whatever `wait_n` a read of its accumulator gives. Installed once per
-process, on the first interpret-mode call of the Mosaic MLA kernel (logged). Interpret mode only: nothing here runs
-on a GPU.
+code. Waits are synchronous there: every wgmma has completed when it returns, whatever `wait_n` a read of its
+accumulator gives. Installed once per process, on the first interpret-mode call of the Mosaic MLA kernel (logged).
+Interpret mode only: nothing here runs on a GPU.
 """
 
 from __future__ import annotations
