@@ -154,6 +154,7 @@ PERSISTENT = MosaicMLAConfig(schedule="persistent", ctas=4)
         (17, ONE_MEETING),
         (17, PERSISTENT),
         (17, MosaicMLAConfig(schedule="persistent", ctas=3, meetings=1, softmax="split")),
+        (17, MosaicMLAConfig(schedule="persistent", ctas=3, lazy_rescale=True)),
         (33, SPLIT),
         (33, ONE_MEETING),
         (33, MosaicMLAConfig(schedule="persistent", ctas=5, softmax="duplicate")),
