@@ -157,31 +157,26 @@ def find_tool(name: str, given: str | None, fallback: str) -> str:
     return path
 
 
+def installed(spec: str, target: Path, pattern: str, size: str, hint: str = "") -> Path:
+    """The file matching `pattern` under `target`, after pip-installing the wheel `spec` there if none does."""
+    if not (found := sorted(target.glob(pattern))):
+        logging.info("fetching %s (%s) into %s", spec, size, target)
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), spec]
+        if subprocess.run(cmd).returncode or not (found := sorted(target.glob(pattern))):
+            raise UserError(f"could not install {spec} into {target}{hint}")
+    return found[-1]
+
+
 def plugin(cache: Path) -> Path:
     """xla_cuda_plugin.so of the jax-cuda13-pjrt wheel matching jaxlib, installed into the cache on first use."""
     version = jaxlib.version.__version__
-    target = cache / f"jax-cuda13-pjrt-{version}"
-    so = target / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so"
-    if not so.exists():
-        logging.info("fetching jax-cuda13-pjrt==%s (about 400 MB) into %s", version, target)
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
-        if subprocess.run([*cmd, f"jax-cuda13-pjrt=={version}"]).returncode or not so.exists():
-            raise UserError(f"could not install jax-cuda13-pjrt=={version} into {target}")
-    return so
+    spec = f"jax-cuda13-pjrt=={version}"
+    return installed(spec, cache / f"jax-cuda13-pjrt-{version}", "jax_plugins/xla_cuda13/xla_cuda_plugin.so", "400 MB")
 
 
 def nvdisasm(cache: Path) -> Path:
     """nvdisasm of the `nvidia-cuda-nvdisasm` wheel, installed into the cache on first use."""
-    target = cache / "nvdisasm"
-    found = sorted(target.glob("nvidia/*/bin/nvdisasm"))
-    if not found:
-        logging.info("fetching nvidia-cuda-nvdisasm into %s", target)
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
-        subprocess.run([*cmd, "nvidia-cuda-nvdisasm"])
-        found = sorted(target.glob("nvidia/*/bin/nvdisasm"))
-        if not found:
-            raise UserError(f"could not install nvidia-cuda-nvdisasm into {target} (or pass --nosass)")
-    return found[-1]
+    return installed("nvidia-cuda-nvdisasm", cache / "nvdisasm", "nvidia/*/bin/nvdisasm", "5 MB", " (or pass --nosass)")
 
 
 def disassemble(tool: Path, work: Path) -> str:
