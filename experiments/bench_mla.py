@@ -211,7 +211,7 @@ def kernel(
 ) -> tuple[Kernel, str]:
     """The kernel `name` with its default tiling for this shape and a config label; `splits`: a Triton tiling, a
     Mosaic split count replacing the default one, or a Mosaic tiling (its split count chosen for the shape);
-    `poison`: NaN-filled Triton partial outputs (a check)."""
+    `poison`: NaN-filled Triton partial outputs (a check). A tiling that sets num_splits keeps it."""
     if name == "triton":
         cfg = splits or default_config(batch, rows, length)
         label = f"r{cfg.block_r}k{cfg.block_k}s{cfg.num_splits}w{cfg.num_warps}st{cfg.num_stages}"
@@ -225,7 +225,7 @@ def kernel(
         tiling = mla_mosaic.MosaicMLAConfig(block_k=32, num_stages=4, softmax=softmax or "duplicate")
     else:
         tiling = mla_mosaic.MosaicMLAConfig(softmax=softmax or "split")
-    cfg = mla_mosaic.default_config(batch, rows, length, tiling)
+    cfg = tiling if tiling.num_splits else mla_mosaic.default_config(batch, rows, length, tiling)
     if isinstance(splits, int):
         cfg = dataclasses.replace(cfg, num_splits=splits)
     label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
