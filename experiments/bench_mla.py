@@ -233,8 +233,9 @@ def kernel(
     label += f"r{cfg.compute_registers}" if cfg.compute_registers != DEFAULT_TILING.compute_registers else ""
     label += "" if cfg.swap_fence == DEFAULT_TILING.swap_fence else ("fence" if cfg.swap_fence else "nf")
     label += "ov" if cfg.overlap else ""
-    label += "m1" if cfg.meetings == 1 else ""
-    label += "lz" if cfg.lazy_rescale else ""
+    natural = mla_mosaic.MosaicMLAConfig(softmax=cfg.softmax, overlap=cfg.overlap)  # this mode's defaults
+    label += "" if cfg.meetings == natural.meetings else f"m{cfg.meetings}"
+    label += "" if cfg.lazy_rescale == natural.lazy_rescale else ("lz" if cfg.lazy_rescale else "eager")
     label += "" if cfg.schedule == "grid" else f"pers{cfg.ctas or ''}"
     label += "" if cfg.combine == DEFAULT_TILING.combine else f"c{cfg.combine}"
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS

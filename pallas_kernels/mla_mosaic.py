@@ -128,26 +128,31 @@ class MosaicMLAConfig:
       The first two versions were serialised by ptxas (C7513; notes_mla, sixth round); this one is not
       (`experiments.ptxas_report`) but is still 1.1-1.4x slower than the default at decode and verify on the H200
       (more registers, spills; bench_mla_overlap_verify, notes_mla seventh round).
-    meetings: warpgroup meetings per tile of the split softmax (`compute_split`). 2: the row maxima are agreed at
+    meetings: warpgroup meetings per tile of the split softmax (`compute_split`); None (default): 1 for the split
+      softmax without overlap, else 2. 2: the row maxima are agreed at
       the first and the P halves exchanged at the second (the other's half then read by wgmma from SMEM). 1: each
       publishes its P half computed against max(running maximum, its tile maximum), together with that maximum,
       and after the one meeting reads the other's half into registers and rescales both halves to the agreed
       maximum (a bf16 multiply by a factor of 1 unless a row's maximum grew); a one-way barrier per half
       (`p_bars`) keeps a warpgroup from overwriting a half the other has not read yet.
-    lazy_rescale: (split softmax, no overlap) FA4's conditional rescaling: a row's running maximum moves only
+    lazy_rescale: (split softmax, no overlap; None (default): on there, off elsewhere) FA4's conditional rescaling: a row's running maximum moves only
       when the tile's maximum passes it by more than RESCALE_THRESHOLD (log2 units; P <= 2^8 otherwise, exact
       either way), so after the first tiles alpha is 1 for nearly every row, and the `[64, 256]` accumulator's
       rescale (128 FMULs per thread per tile, on the path to the P V wgmma) is skipped by every thread whose rows
-      did not move (`scale_rows`). Not yet timed on a GPU.
-    compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`.
+      did not move (`scale_rows`). With `meetings=1` and 240 registers (the defaults) 3-8 % faster than the
+      two-meeting, eager-rescale kernel at 232 registers in 7 of 8 verify cells at 8192 slots, the same at B8
+      decode (bench_mla_adopt_verify / _decode, notes_mla tenth round).
+    compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`. At
+      240 (default) the split softmax's tile loops spill nothing (ptxas_sass).
     schedule: how the work is laid out on CTAs.
       "grid" (default): one CTA per (row block, split, sequence); `num_splits` splits of the context.
       "persistent": `ctas` CTAs (0: one per SM) each take an equal contiguous range of the (sequence, row block,
         tile) units, FlashMLA-like (`persistent_schedule`): no wave quantisation, one Q load and one partial per
         row block a CTA touches (typically one or two) instead of one per split. `num_splits` then caps the
-        partials per row block (0: `persistent_pieces`). Not yet timed on a GPU.
+        partials per row block (0: `persistent_pieces`). 1.1-1.4x slower than "grid" on the H200 at decode and
+        verify (bench_mla_schedule_*).
     combine: how the splits are merged (`mla_combine.merge_splits`): "xla" (three small XLA kernels), "fused" (the
-      same sums split by split, so XLA can fuse them; untimed) or "pallas" (one Pallas kernel; slower but with many
+      same sums split by split, so XLA can fuse them; as fast as "xla" at decode) or "pallas" (one Pallas kernel; slower but with many
       splits, bench_mla_combine_*).
     """
 
@@ -157,15 +162,20 @@ class MosaicMLAConfig:
     schedule_barrier: bool = True
     softmax: str = "split"
     swap_fence: bool = False
-    compute_registers: int = 232
+    compute_registers: int = 240
     overlap: bool = False
     combine: str = "xla"
-    meetings: int = 2
-    lazy_rescale: bool = False
+    meetings: int | None = None
+    lazy_rescale: bool | None = None
     schedule: str = "grid"
     ctas: int = 0
 
     def __post_init__(self):
+        plain_split = self.softmax == "split" and not self.overlap  # where one meeting and the lazy rescale apply
+        if self.meetings is None:
+            object.__setattr__(self, "meetings", 1 if plain_split else 2)
+        if self.lazy_rescale is None:
+            object.__setattr__(self, "lazy_rescale", plain_split)
         if self.softmax not in SOFTMAX_MODES:
             raise ValueError(f"softmax must be one of {SOFTMAX_MODES}: {self}")
         if self.compute_registers % 8 or not 128 <= self.compute_registers <= 240:
@@ -186,7 +196,8 @@ class MosaicMLAConfig:
 
     @classmethod
     def from_text(cls, text: str) -> MosaicMLAConfig:
-        """'field=value,...' -> the default config with those fields replaced ('' -> the default); a ValueError
+        """'field=value,...' -> the config with those fields set, the others at their defaults ('' -> the
+        default; `meetings` and `lazy_rescale` then follow the softmax and overlap given); a ValueError
         naming the problem for an unknown field, a value of the wrong type or an impossible tiling."""
         default, names = cls(), sorted(f.name for f in dataclasses.fields(cls))
         changes: dict[str, object] = {}
@@ -202,7 +213,7 @@ class MosaicMLAConfig:
             except ValueError:
                 raise ValueError(f"tiling {text!r}: {name} takes an {kind.__name__}, not {value!r}") from None
         try:
-            return dataclasses.replace(default, **changes)
+            return cls(**changes)
         except ValueError as e:
             raise ValueError(f"tiling {text!r}: {e}") from None
 

@@ -66,14 +66,13 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (2, 17, 8, 1000, MosaicMLAConfig(num_splits=3, softmax="duplicate", schedule_barrier=False)),
         (4, 1, 64, 4096, MosaicMLAConfig(softmax="duplicate")),
         (1, 17, 8, 8256, MosaicMLAConfig(num_splits=5, softmax="shared")),
-        (2, 17, 64, 1000, MosaicMLAConfig(compute_registers=240)),
+        (2, 17, 64, 1000, MosaicMLAConfig(compute_registers=232, meetings=2, lazy_rescale=False)),
         (4, 1, 64, 4000, MosaicMLAConfig(overlap=True)),
         (1, 33, 8, 8200, MosaicMLAConfig(overlap=True, swap_fence=True)),
-        (2, 17, 64, 8192, MosaicMLAConfig(meetings=1)),
+        (2, 17, 64, 8192, MosaicMLAConfig(meetings=1, lazy_rescale=False)),
         (8, 17, 64, 8192, MosaicMLAConfig(schedule="persistent")),
         (8, 1, 64, 4096, MosaicMLAConfig(schedule="persistent", meetings=1)),
-        (2, 17, 64, 8192, MosaicMLAConfig(lazy_rescale=True)),
-        (2, 17, 64, 8192, MosaicMLAConfig(lazy_rescale=True, meetings=1)),
+        (2, 17, 64, 8192, MosaicMLAConfig(lazy_rescale=True, meetings=2)),
         (2, 17, 8, 1000, MosaicMLAConfig(schedule="persistent", softmax="shared")),
     ],
 )
@@ -110,6 +109,10 @@ def run(q, cache, prefix, mask, config: MosaicMLAConfig | None, races: bool = Fa
 def test_config_checks():
     assert MosaicMLAConfig().softmax == "split" and MosaicMLAConfig().swizzle == 64
     assert MosaicMLAConfig(softmax="duplicate").swizzle == 128
+    # One meeting and the lazy rescale are the split softmax's defaults; the modes they do not apply to get 2 / off.
+    assert (MosaicMLAConfig().meetings, MosaicMLAConfig().lazy_rescale) == (1, True)
+    for other in (dict(softmax="duplicate"), dict(softmax="shared"), dict(overlap=True)):
+        assert (MosaicMLAConfig(**other).meetings, MosaicMLAConfig(**other).lazy_rescale) == (2, False)
     with pytest.raises(ValueError, match="softmax must be one of"):
         MosaicMLAConfig(softmax="split_s")
     for compute in (232, 240):  # the three warpgroups stay within the launch's 3 x 168 registers per lane
@@ -139,7 +142,8 @@ def test_config_checks():
 SPLIT = MosaicMLAConfig(num_splits=3)
 DUPLICATE = MosaicMLAConfig(num_splits=3, softmax="duplicate")
 OVERLAP = MosaicMLAConfig(num_splits=3, overlap=True)
-ONE_MEETING = MosaicMLAConfig(num_splits=3, meetings=1)
+ONE_MEETING = MosaicMLAConfig(num_splits=3, meetings=1, lazy_rescale=False)
+TWO_MEETINGS = MosaicMLAConfig(num_splits=3, meetings=2, lazy_rescale=False)  # the default before the tenth round
 PERSISTENT = MosaicMLAConfig(schedule="persistent", ctas=4)
 
 
@@ -152,11 +156,12 @@ PERSISTENT = MosaicMLAConfig(schedule="persistent", ctas=4)
         (17, MosaicMLAConfig(num_splits=3, swap_fence=True)),
         (17, OVERLAP),
         (17, ONE_MEETING),
+        (17, TWO_MEETINGS),
         (17, PERSISTENT),
         (17, MosaicMLAConfig(schedule="persistent", ctas=3, meetings=1, softmax="split")),
-        (17, MosaicMLAConfig(schedule="persistent", ctas=3, lazy_rescale=True)),
+        (17, MosaicMLAConfig(schedule="persistent", ctas=3, lazy_rescale=True, meetings=2)),
         (33, SPLIT),
-        (33, ONE_MEETING),
+        (33, TWO_MEETINGS),
         (33, MosaicMLAConfig(schedule="persistent", ctas=5, softmax="duplicate")),
         (33, OVERLAP),
         (33, DUPLICATE),
@@ -220,8 +225,8 @@ def test_decode_single_node(heads: int):
     configs = [
         MosaicMLAConfig(num_splits=4, softmax="duplicate"),
         MosaicMLAConfig(num_splits=4, overlap=True),
-        MosaicMLAConfig(num_splits=4, meetings=1),
-        MosaicMLAConfig(num_splits=4, lazy_rescale=True),
+        MosaicMLAConfig(num_splits=4, meetings=2, lazy_rescale=False),
+        MosaicMLAConfig(num_splits=4, lazy_rescale=False),
         MosaicMLAConfig(schedule="persistent", ctas=3),
     ]
     for config in (None, MosaicMLAConfig(num_splits=4), *configs):
@@ -232,7 +237,7 @@ def test_decode_single_node(heads: int):
 @pytest.mark.parametrize(
     "config",
     [MosaicMLAConfig(num_splits=2, softmax=mode) for mode in ("shared", "duplicate")]
-    + [MosaicMLAConfig(), MosaicMLAConfig(overlap=True), MosaicMLAConfig(meetings=1)]
+    + [MosaicMLAConfig(), MosaicMLAConfig(overlap=True), MosaicMLAConfig(meetings=2, lazy_rescale=False)]
     + [MosaicMLAConfig(schedule="persistent", ctas=2, softmax="shared")],
 )
 def test_causal_block(config: MosaicMLAConfig):
