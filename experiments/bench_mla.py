@@ -201,23 +201,11 @@ KERNELS = ("triton", "mosaic", "mosaic_duplicate", "mosaic_shared", "mosaic_k32"
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
 
-def kernel(
-    name: str,
-    batch: int,
-    rows: int,
-    length: int,
-    splits: int | MLAConfig | mla_mosaic.MosaicMLAConfig | None = None,
-    poison: bool = False,
-) -> tuple[Kernel, str]:
-    """The kernel `name` with its default tiling for this shape and a config label; `splits`: a Triton tiling, a
-    Mosaic split count replacing the default one, or a Mosaic tiling (its split count chosen for the shape);
-    `poison`: NaN-filled Triton partial outputs (a check). A tiling that sets num_splits keeps it."""
-    if name == "triton":
-        cfg = splits or default_config(batch, rows, length)
-        label = f"r{cfg.block_r}k{cfg.block_k}s{cfg.num_splits}w{cfg.num_warps}st{cfg.num_stages}"
-        return lambda q, c, p, m: mla_attention_split(
-            q, c, p, m, SCALE, DV, config=cfg, poison=poison, interpret=FLAGS.interpret
-        ), label
+def mosaic_config(
+    name: str, batch: int, rows: int, length: int, splits: int | mla_mosaic.MosaicMLAConfig | None
+) -> mla_mosaic.MosaicMLAConfig:
+    """The Mosaic kernel `name`'s tiling for this shape: `splits` a split count replacing the chosen one, or a
+    tiling (its split count chosen for the shape unless it sets one), or None (the kernel's default tiling)."""
     softmax = name.rpartition("_")[2] if name.endswith(("_duplicate", "_shared")) else None
     if isinstance(splits, mla_mosaic.MosaicMLAConfig):
         tiling = splits
@@ -226,8 +214,11 @@ def kernel(
     else:
         tiling = mla_mosaic.MosaicMLAConfig(softmax=softmax or "split")
     cfg = tiling if tiling.num_splits else mla_mosaic.default_config(batch, rows, length, tiling)
-    if isinstance(splits, int):
-        cfg = dataclasses.replace(cfg, num_splits=splits)
+    return dataclasses.replace(cfg, num_splits=splits) if isinstance(splits, int) else cfg
+
+
+def mosaic_label(cfg: mla_mosaic.MosaicMLAConfig) -> str:
+    """A short name of a Mosaic tiling: tile, splits and stages, then what differs from the defaults."""
     label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
     label += {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
     label += f"r{cfg.compute_registers}" if cfg.compute_registers != DEFAULT_TILING.compute_registers else ""
@@ -237,11 +228,30 @@ def kernel(
     label += "" if cfg.meetings == natural.meetings else f"m{cfg.meetings}"
     label += "" if cfg.lazy_rescale == natural.lazy_rescale else ("lz" if cfg.lazy_rescale else "eager")
     label += "" if cfg.schedule == "grid" else f"pers{cfg.ctas or ''}"
-    label += "" if cfg.combine == DEFAULT_TILING.combine else f"c{cfg.combine}"
+    return label + ("" if cfg.combine == DEFAULT_TILING.combine else f"c{cfg.combine}")
+
+
+def kernel(
+    name: str,
+    batch: int,
+    rows: int,
+    length: int,
+    splits: int | MLAConfig | mla_mosaic.MosaicMLAConfig | None = None,
+    poison: bool = False,
+) -> tuple[Kernel, str]:
+    """The kernel `name` with its default tiling for this shape and a config label; `splits`: a Triton tiling, or
+    what `mosaic_config` takes; `poison`: NaN-filled Triton partial outputs (a check)."""
+    if name == "triton":
+        cfg = splits or default_config(batch, rows, length)
+        label = f"r{cfg.block_r}k{cfg.block_k}s{cfg.num_splits}w{cfg.num_warps}st{cfg.num_stages}"
+        return lambda q, c, p, m: mla_attention_split(
+            q, c, p, m, SCALE, DV, config=cfg, poison=poison, interpret=FLAGS.interpret
+        ), label
+    cfg = mosaic_config(name, batch, rows, length, splits)
     interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
     return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
         q, c, p, m, SCALE, DV, config=cfg, interpret=interpret
-    ), label
+    ), mosaic_label(cfg)
 
 
 def check(

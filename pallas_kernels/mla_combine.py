@@ -7,10 +7,10 @@ lse = -inf and weigh 0; a row no split saw is 0 / 0 = NaN, as in the reference.
 Three ways (`merge_splits(method=...)`):
   "xla" (default): the plain-JAX expression (`combine_xla`), which XLA runs as three small kernels (the weights,
     their normalisation, the weighted sum in the output dtype).
-  "fused": the same sums written split by split (`combine_fused`: elementwise maxima and sums of the S slices
-    instead of reductions over the split axis), so no reduction separates the weights from the weighted sum and
-    XLA can run the merge as one or two loop fusions (the split count is static and small). On the H200 it times the same as "xla" in
-    the whole decode call (4096 / 8192 x B8 / B32 x 64 heads: within 1.6 %, bench_mla_schedule_decode).
+  "fused": the same sums written split by split (`combine_fused`: elementwise maxima and sums of the S slices instead
+    of reductions over the split axis), so no reduction separates the weights from the weighted sum and XLA can run
+    the merge as one or two loop fusions (the split count is static and small). On the H200 it times the same as "xla"
+    in the whole decode call (4096 / 8192 x B8 / B32 x 64 heads: within 1.6 %, bench_mla_schedule_decode).
   "pallas": one Pallas GPU kernel (Triton lowering); each program reads its rows' partials of 128 columns once
     and writes them merged. Slower in the whole call on the H200 except with many splits (same run, 8192 x 17
     nodes: 62.8 against 58.5 us at 64 heads x B1, 448 against 425 us at B8, 26.9 against 30.4 us at 8 heads x B1

@@ -135,13 +135,13 @@ class MosaicMLAConfig:
       and after the one meeting reads the other's half into registers and rescales both halves to the agreed
       maximum (a bf16 multiply by a factor of 1 unless a row's maximum grew); a one-way barrier per half
       (`p_bars`) keeps a warpgroup from overwriting a half the other has not read yet.
-    lazy_rescale: (split softmax, no overlap; None (default): on there, off elsewhere) FA4's conditional rescaling: a row's running maximum moves only
-      when the tile's maximum passes it by more than RESCALE_THRESHOLD (log2 units; P <= 2^8 otherwise, exact
-      either way), so after the first tiles alpha is 1 for nearly every row, and the `[64, 256]` accumulator's
-      rescale (128 FMULs per thread per tile, on the path to the P V wgmma) is skipped by every thread whose rows
-      did not move (`scale_rows`). With `meetings=1` and 240 registers (the defaults) 3-8 % faster than the
-      two-meeting, eager-rescale kernel at 232 registers in 7 of 8 verify cells at 8192 slots, the same at B8
-      decode (bench_mla_adopt_verify / _decode, notes_mla tenth round).
+    lazy_rescale: (split softmax, no overlap; None (default): on there, off elsewhere) FA4's conditional rescaling: a
+      row's running maximum moves only when the tile's maximum passes it by more than RESCALE_THRESHOLD (log2 units;
+      P <= 2^8 otherwise, exact either way), so after the first tiles alpha is 1 for nearly every row, and the
+      `[64, 256]` accumulator's rescale (128 FMULs per thread per tile, on the path to the P V wgmma) is skipped by
+      every thread whose rows did not move (`scale_rows`). With `meetings=1` and 240 registers (the defaults) 3-8 %
+      faster than the two-meeting, eager-rescale kernel at 232 registers in 7 of 8 verify cells at 8192 slots, the
+      same at B8 decode (bench_mla_adopt_verify / _decode, notes_mla tenth round).
     compute_registers: `setmaxnreg` of the compute warpgroups; the memory warpgroup gets `memory_registers`. At
       240 (default) the split softmax's tile loops spill nothing (ptxas_sass).
     schedule: how the work is laid out on CTAs.
@@ -152,8 +152,8 @@ class MosaicMLAConfig:
         partials per row block (0: `persistent_pieces`). 1.1-1.4x slower than "grid" on the H200 at decode and
         verify (bench_mla_schedule_*).
     combine: how the splits are merged (`mla_combine.merge_splits`): "xla" (three small XLA kernels), "fused" (the
-      same sums split by split, so XLA can fuse them; as fast as "xla" at decode) or "pallas" (one Pallas kernel; slower but with many
-      splits, bench_mla_combine_*).
+      same sums split by split, so XLA can fuse them; as fast as "xla" at decode) or "pallas" (one Pallas kernel;
+      slower but with many splits, bench_mla_combine_*).
     """
 
     block_k: int = 64

@@ -470,6 +470,26 @@ def test_parse_tiling():
             parse_tiling(bad)
 
 
+def test_bench_mla_mosaic_tilings_and_labels():
+    """A --mosaic_tiling keeps the split count it sets (else the shape's), a --mosaic_splits count replaces it, and
+    the label names the split count that runs and what differs from the defaults."""
+    from experiments.bench_mla import mosaic_config, mosaic_label
+    from pallas_kernels.mla_mosaic import MosaicMLAConfig, default_config
+
+    chosen = default_config(8, 64, 4096).num_splits  # 13 on 132 SMs
+    cases = [
+        (None, chosen, f"k64s{chosen}st2"),
+        (MosaicMLAConfig(num_splits=8), 8, "k64s8st2"),
+        (MosaicMLAConfig(meetings=2, lazy_rescale=False), chosen, f"k64s{chosen}st2m2eager"),
+        (5, 5, "k64s5st2"),
+        (MosaicMLAConfig(softmax="duplicate", compute_registers=232), chosen, f"k64s{chosen}st2dupr232"),
+    ]
+    for arg, splits, label in cases:
+        cfg = mosaic_config("mosaic", 8, 64, 4096, arg)
+        assert (cfg.num_splits, mosaic_label(cfg)) == (splits, label), arg
+    assert mosaic_label(mosaic_config("mosaic_shared", 2, 136, 8192, None)).endswith("shp")
+
+
 def test_gpu_matrix_packs_only_what_it_wrote(tmp_path):
     """With OUT set (the device tool returns at most 8 files), run_gpu_matrix.sh leaves one results.tgz holding
     what its stages wrote (here only the report), not the earlier records it copied in for that report."""
