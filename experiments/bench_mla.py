@@ -25,7 +25,6 @@ copies, the cache on every call. Results are rewritten after every cell.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import os
@@ -53,6 +52,8 @@ from experiments.mla_common import (  # noqa: E402
     cost,
     looped,
     matmul_rate,
+    mosaic_config,
+    mosaic_label,
     parse_tiling,
     per_call_time,
     random_tree_mask,
@@ -196,39 +197,8 @@ def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> tuple[fl
     return per_call_time(lambda k: functools.partial(run, *args, k), calls_per_program(FLAGS.loop, FLAGS.inner))
 
 
-DEFAULT_TILING = mla_mosaic.MosaicMLAConfig()
 KERNELS = ("triton", "mosaic", "mosaic_duplicate", "mosaic_shared", "mosaic_k32", "mosaic_k32_shared")
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
-
-
-def mosaic_config(
-    name: str, batch: int, rows: int, length: int, splits: int | mla_mosaic.MosaicMLAConfig | None
-) -> mla_mosaic.MosaicMLAConfig:
-    """The Mosaic kernel `name`'s tiling for this shape: `splits` a split count replacing the chosen one, or a
-    tiling (its split count chosen for the shape unless it sets one), or None (the kernel's default tiling)."""
-    softmax = name.rpartition("_")[2] if name.endswith(("_duplicate", "_shared")) else None
-    if isinstance(splits, mla_mosaic.MosaicMLAConfig):
-        tiling = splits
-    elif "_k32" in name:  # a 4-deep ring of 32-slot tiles (too narrow to split S)
-        tiling = mla_mosaic.MosaicMLAConfig(block_k=32, num_stages=4, softmax=softmax or "duplicate")
-    else:
-        tiling = mla_mosaic.MosaicMLAConfig(softmax=softmax or "split")
-    cfg = tiling if tiling.num_splits else mla_mosaic.default_config(batch, rows, length, tiling)
-    return dataclasses.replace(cfg, num_splits=splits) if isinstance(splits, int) else cfg
-
-
-def mosaic_label(cfg: mla_mosaic.MosaicMLAConfig) -> str:
-    """A short name of a Mosaic tiling: tile, splits and stages, then what differs from the defaults."""
-    label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
-    label += {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
-    label += f"r{cfg.compute_registers}" if cfg.compute_registers != DEFAULT_TILING.compute_registers else ""
-    label += "" if cfg.swap_fence == DEFAULT_TILING.swap_fence else ("fence" if cfg.swap_fence else "nf")
-    label += "ov" if cfg.overlap else ""
-    natural = mla_mosaic.MosaicMLAConfig(softmax=cfg.softmax, overlap=cfg.overlap)  # this mode's defaults
-    label += "" if cfg.meetings == natural.meetings else f"m{cfg.meetings}"
-    label += "" if cfg.lazy_rescale == natural.lazy_rescale else ("lz" if cfg.lazy_rescale else "eager")
-    label += "" if cfg.schedule == "grid" else f"pers{cfg.ctas or ''}"
-    return label + ("" if cfg.combine == DEFAULT_TILING.combine else f"c{cfg.combine}")
 
 
 def kernel(

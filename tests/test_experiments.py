@@ -473,7 +473,7 @@ def test_parse_tiling():
 def test_bench_mla_mosaic_tilings_and_labels():
     """A --mosaic_tiling keeps the split count it sets (else the shape's), a --mosaic_splits count replaces it, and
     the label names the split count that runs and what differs from the defaults."""
-    from experiments.bench_mla import mosaic_config, mosaic_label
+    from experiments.mla_common import mosaic_config, mosaic_label
     from pallas_kernels.mla_mosaic import MosaicMLAConfig, default_config
 
     chosen = default_config(8, 64, 4096).num_splits  # 13 on 132 SMs
