@@ -267,14 +267,14 @@ def mosaic_config(
 
 def mosaic_label(cfg: MosaicMLAConfig) -> str:
     """A short name of a Mosaic tiling: tile, splits and stages, then what differs from the defaults."""
-    DEFAULT = MosaicMLAConfig()
+    default = MosaicMLAConfig()
     label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
     label += {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
-    label += f"r{cfg.compute_registers}" if cfg.compute_registers != DEFAULT.compute_registers else ""
-    label += "" if cfg.swap_fence == DEFAULT.swap_fence else ("fence" if cfg.swap_fence else "nf")
+    label += f"r{cfg.compute_registers}" if cfg.compute_registers != default.compute_registers else ""
+    label += "" if cfg.swap_fence == default.swap_fence else ("fence" if cfg.swap_fence else "nf")
     label += "ov" if cfg.overlap else ""
     natural = MosaicMLAConfig(softmax=cfg.softmax, overlap=cfg.overlap)  # this mode's defaults
     label += "" if cfg.meetings == natural.meetings else f"m{cfg.meetings}"
     label += "" if cfg.lazy_rescale == natural.lazy_rescale else ("lz" if cfg.lazy_rescale else "eager")
     label += "" if cfg.schedule == "grid" else f"pers{cfg.ctas or ''}"
-    return label + ("" if cfg.combine == DEFAULT.combine else f"c{cfg.combine}")
+    return label + ("" if cfg.combine == default.combine else f"c{cfg.combine}")

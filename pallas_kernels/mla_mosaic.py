@@ -129,12 +129,12 @@ class MosaicMLAConfig:
       (`experiments.ptxas_report`) but is still 1.1-1.4x slower than the default at decode and verify on the H200
       (more registers, spills; bench_mla_overlap_verify, notes_mla seventh round).
     meetings: warpgroup meetings per tile of the split softmax (`compute_split`); None (default): 1 for the split
-      softmax without overlap, else 2. 2: the row maxima are agreed at
-      the first and the P halves exchanged at the second (the other's half then read by wgmma from SMEM). 1: each
-      publishes its P half computed against max(running maximum, its tile maximum), together with that maximum,
-      and after the one meeting reads the other's half into registers and rescales both halves to the agreed
-      maximum (a bf16 multiply by a factor of 1 unless a row's maximum grew); a one-way barrier per half
-      (`p_bars`) keeps a warpgroup from overwriting a half the other has not read yet.
+      softmax without overlap, else 2. 2: the row maxima are agreed at the first and the P halves exchanged at the
+      second (the other's half then read by wgmma from SMEM). 1: each publishes its P half computed against
+      max(running maximum, its tile maximum), together with that maximum, and after the one meeting reads the other's
+      half into registers and rescales both halves to the agreed maximum (a bf16 multiply by a factor of 1 unless a
+      row's maximum grew); a one-way barrier per half (`p_bars`) keeps a warpgroup from overwriting a half the other
+      has not read yet.
     lazy_rescale: (split softmax, no overlap; None (default): on there, off elsewhere) FA4's conditional rescaling: a
       row's running maximum moves only when the tile's maximum passes it by more than RESCALE_THRESHOLD (log2 units;
       P <= 2^8 otherwise, exact either way), so after the first tiles alpha is 1 for nearly every row, and the
