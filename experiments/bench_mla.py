@@ -21,6 +21,7 @@ copies, the cache on every call. Results are rewritten after every cell.
     python -m experiments.bench_mla --preset=targets --kernels=triton,mosaic
     python -m experiments.bench_mla --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64,8 --sweep=mixed
     python -m experiments.bench_mla --preset=custom --contexts=60 --nodes=1 --batches=8 --sweep=decode
+    python -m experiments.bench_mla --cells=32768/1/8/64,8192/17/8/64 --kernels=mosaic --check=false
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from experiments.mla_common import (  # noqa: E402
     matmul_rate,
     mosaic_config,
     mosaic_label,
+    parse_cell,
     parse_tiling,
     per_call_time,
     random_tree_mask,
@@ -74,6 +76,9 @@ flags.DEFINE_list("contexts", ["60", "1024", "4096", "8192", "32768", "131072"],
 flags.DEFINE_list("nodes", ["1", "9", "17", "33", "65"], "new nodes N (custom)")
 flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes (custom)")
 flags.DEFINE_list("heads", ["64", "8"], "query heads (custom)")
+flags.DEFINE_list(
+    "cells", [], "these context/nodes/batch/heads cells, in this order, instead of --preset's"
+)
 flags.DEFINE_list("kernels", ["triton", "mosaic"], "kernels to time: any of KERNELS")
 flags.DEFINE_enum(
     "sweep", "none", ["none", "mixed", "decode"], "also time a set of Triton tilings: mixed cells, or decode cells"
@@ -160,7 +165,9 @@ def decode_sweep() -> list[tuple[tuple[int, int, int, int], list[tuple[str, MLAC
 
 
 def cells() -> list[tuple[int, int, int, int]]:
-    """(context, nodes, batch, heads) cells of the selected preset."""
+    """(context, nodes, batch, heads) cells: --cells if given, else the selected preset's."""
+    if FLAGS.cells:
+        return [parse_cell(c) for c in FLAGS.cells]
     if FLAGS.preset == "key":
         decode = [(c, 1, b, h) for c, b in ((4096, 8), (8192, 32), (32768, 8)) for h in (64, 8)]
         return [
@@ -330,6 +337,7 @@ def main(argv: Sequence[str]) -> None:
     if unknown := sorted(set(FLAGS.kernels) - set(KERNELS)):
         raise UserError(f"--kernels: unknown {unknown}; choose from {list(KERNELS)}")
     tilings = [("mosaic", parse_tiling(text)) for text in FLAGS.mosaic_tiling]  # bad values fail before measuring
+    grid = cells()
     t0 = time.time()
     rng = np.random.default_rng(0)
     bw = copy_bandwidth(FLAGS.ceiling_size)
@@ -365,13 +373,13 @@ def main(argv: Sequence[str]) -> None:
         "loop": FLAGS.loop,
         "cache_align": FLAGS.cache_align,
     }
-    work = [(cell, [(name, None) for name in FLAGS.kernels]) for cell in cells()]
+    work = [(cell, [(name, None) for name in FLAGS.kernels]) for cell in grid]
     work += [(cell, [("triton", c) for c in SWEEP_CONFIGS]) for cell in SWEEP_CELLS] if FLAGS.sweep == "mixed" else []
     work += decode_sweep() if FLAGS.sweep == "decode" else []
     work += (
-        [(cell, [("mosaic", int(s)) for s in FLAGS.mosaic_splits]) for cell in cells()] if FLAGS.mosaic_splits else []
+        [(cell, [("mosaic", int(s)) for s in FLAGS.mosaic_splits]) for cell in grid] if FLAGS.mosaic_splits else []
     )
-    work += [(cell, tilings) for cell in cells()] if tilings else []
+    work += [(cell, tilings) for cell in grid] if tilings else []
     records = []
     for cell, configs in work:
         records += bench_cell(rng, cell, ceilings, configs)
