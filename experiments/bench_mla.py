@@ -76,9 +76,7 @@ flags.DEFINE_list("contexts", ["60", "1024", "4096", "8192", "32768", "131072"],
 flags.DEFINE_list("nodes", ["1", "9", "17", "33", "65"], "new nodes N (custom)")
 flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes (custom)")
 flags.DEFINE_list("heads", ["64", "8"], "query heads (custom)")
-flags.DEFINE_list(
-    "cells", [], "these context/nodes/batch/heads cells, in this order, instead of --preset's"
-)
+flags.DEFINE_list("cells", [], "these context/nodes/batch/heads cells, in this order, instead of --preset's")
 flags.DEFINE_list("kernels", ["triton", "mosaic"], "kernels to time: any of KERNELS")
 flags.DEFINE_enum(
     "sweep", "none", ["none", "mixed", "decode"], "also time a set of Triton tilings: mixed cells, or decode cells"
@@ -376,9 +374,7 @@ def main(argv: Sequence[str]) -> None:
     work = [(cell, [(name, None) for name in FLAGS.kernels]) for cell in grid]
     work += [(cell, [("triton", c) for c in SWEEP_CONFIGS]) for cell in SWEEP_CELLS] if FLAGS.sweep == "mixed" else []
     work += decode_sweep() if FLAGS.sweep == "decode" else []
-    work += (
-        [(cell, [("mosaic", int(s)) for s in FLAGS.mosaic_splits]) for cell in grid] if FLAGS.mosaic_splits else []
-    )
+    work += [(cell, [("mosaic", int(s)) for s in FLAGS.mosaic_splits]) for cell in grid] if FLAGS.mosaic_splits else []
     work += [(cell, tilings) for cell in grid] if tilings else []
     records = []
     for cell, configs in work:

@@ -36,7 +36,12 @@ flags.DEFINE_list(
     "context/nodes/batch/heads cells",
 )
 flags.DEFINE_integer("sms", 132, "SMs (one CTA per SM fits)", lower_bound=1)
-flags.DEFINE_integer("overhead_tiles", 2, "tile-times charged per CTA or segment (Q load, epilogue)", lower_bound=0)
+flags.DEFINE_integer(
+    "overhead_tiles",
+    mla_mosaic.SPLIT_OVERHEAD_SLOTS // mla_mosaic.MosaicMLAConfig().block_k,
+    "tile-times charged per CTA or segment (Q load, epilogue; default: what the kernel's split choice assumes)",
+    lower_bound=0,
+)
 flags.DEFINE_string("out_dir", None, "results folder (default experiments/results)")
 flags.DEFINE_string("name", "mla_schedule", "record name")
 

@@ -13,10 +13,9 @@ Work layout (FlashMLA-like):
   f32 accumulator = 128 registers per thread).
 * Three ways to split the S / softmax work between them (`MosaicMLAConfig.softmax`):
   - "split" (the default): each warpgroup computes S for half of every tile's slots; they exchange row maxima and
-    P halves through SMEM, and each adds P V for its columns over the whole tile. No MMA work is repeated. Two
-    meetings per tile, or one with `meetings=1` (not yet timed: the halves are rescaled after the meeting);
-    `lazy_rescale=True` (not yet timed) moves a row's running maximum only past a threshold and skips the
-    accumulator's rescale in every thread whose rows did not move;
+    P halves through SMEM, and each adds P V for its columns over the whole tile. No MMA work is repeated. One
+    meeting per tile (the halves are rescaled after it; `meetings=2`: two), and a row's running maximum moves only
+    past a threshold, the accumulator's rescale skipped in every thread whose rows did not move (`lazy_rescale`);
   - "duplicate": both warpgroups compute S = Q K^T and the masked online softmax of every tile (a third of the MMA
     work is then repeated, at 576 / 512 dims) with an FA3 ping-pong schedule barrier between them;
   - "shared": the tiles alternate between the warpgroups; the owner of a tile computes S and the softmax and
@@ -27,14 +26,16 @@ Work layout (FlashMLA-like):
   folds its one node into the prefix and takes no words).
 * Each CTA writes a normalised bf16 partial `[64, 512]` (staged in Q's SMEM) and its f32 log-sum-exp;
   `mla_combine.merge_splits` merges the splits.
-* `MosaicMLAConfig.schedule="persistent"` (not yet timed on a GPU) launches one CTA per SM instead; each takes an
-  equal contiguous range of (sequence, row block, tile) units (`persistent_schedule`, FlashMLA-like) and runs
-  the per-row-block work above once per row block its range touches, writing one partial each.
+* `MosaicMLAConfig.schedule="persistent"` (1.1-1.4x slower on the H200; notes_mla, tenth round) launches one CTA
+  per SM instead; each takes an equal contiguous range of (sequence, row block, tile) units (`persistent_schedule`,
+  FlashMLA-like) and runs the per-row-block work above once per row block its range touches, writing one partial
+  each.
 
 SMEM: Q 72 KiB + num_stages * block_k * 1152 B (block_k 64 x 2 stages: 144 KiB) + P 8 KiB + 1 KiB each for the tree
 words and the max / sum / LSE rows + barriers = 231,496 B of the 232,448 an H200 CTA may use (every buffer starts at
 a 1 KiB boundary, and the kernel reserves no cross-warp reduction scratch: its row reductions stay inside a warp);
-`smem_bytes` checks it before lowering. Splits: `wave_splits` (one CTA per SM fits, so whole waves matter).
+`smem_bytes` checks it before lowering. Splits: `wave_splits` (one CTA per SM fits, so whole waves matter), with a
+CTA's fixed cost fitted on the H200 (`SPLIT_OVERHEAD_SLOTS`).
 """
 
 from __future__ import annotations
@@ -731,6 +732,13 @@ def sm_count() -> int:
     return int(getattr(device, "core_count", 0) or 132) if device.platform == "gpu" else 132
 
 
+# A CTA's fixed cost (Q load, pipeline fill, epilogue, its part of the merge) in KV slots, for `wave_splits`. Fitted
+# on the H200 to verify 8192 / 17 / 8 / 64 (136 CTAs a split) timed at 6, 8, 10, 13 and 16 splits in one run
+# (bench_mla_verify_splits): time / modelled tile-times spreads 1.7 % at 256 slots, 3.6 % at 128 (the earlier
+# value, which picked 10 splits, 417 us, where 6 took 391 us).
+SPLIT_OVERHEAD_SLOTS = 256
+
+
 def wave_splits(ctas: int, n_tiles: int, sms: int = 132, overhead_tiles: int = 2) -> int:
     """KV splits minimising the modelled time waves * (tiles per split + overhead) with one CTA per SM: `ctas`
     CTAs per split run in ceil(ctas * s / sms) waves of ceil(n_tiles / s) + overhead_tiles tile-times each (the
@@ -745,14 +753,15 @@ def wave_splits(ctas: int, n_tiles: int, sms: int = 132, overhead_tiles: int = 2
 
 def default_config(batch: int, rows: int, max_len: int, tiling: MosaicMLAConfig | None = None) -> MosaicMLAConfig:
     """`tiling` (default: 64-slot tiles in a 2-stage ring, S split between the warpgroups) with its split count
-    chosen by `wave_splits` for this GPU's SM count (the fixed per-CTA overhead is 128 slots' worth of tiles), or
-    on the persistent schedule its cap on partials per row block (`persistent_pieces`)."""
+    chosen by `wave_splits` for this GPU's SM count (the fixed per-CTA overhead is `SPLIT_OVERHEAD_SLOTS` slots'
+    worth of tiles), or on the persistent schedule its cap on partials per row block (`persistent_pieces`)."""
     config = tiling or MosaicMLAConfig()
     row_blocks, tiles = batch * pl.cdiv(rows, BLOCK_R), pl.cdiv(max_len, config.block_k)
     if config.schedule == "persistent":
         splits = persistent_pieces(row_blocks, tiles, config.ctas or sm_count())
     else:
-        splits = wave_splits(row_blocks, tiles, sm_count(), overhead_tiles=max(1, 128 // config.block_k))
+        overhead = max(1, SPLIT_OVERHEAD_SLOTS // config.block_k)
+        splits = wave_splits(row_blocks, tiles, sm_count(), overhead_tiles=overhead)
     return dataclasses.replace(config, num_splits=splits)
 
 

@@ -473,7 +473,7 @@ def test_bench_mla_mosaic_tilings_and_labels():
     from experiments.mla_common import mosaic_config, mosaic_label
     from pallas_kernels.mla_mosaic import MosaicMLAConfig, default_config
 
-    chosen = default_config(8, 64, 4096).num_splits  # 13 on 132 SMs
+    chosen = default_config(8, 64, 4096).num_splits  # 16 on 132 SMs
     cases = [
         (None, chosen, f"k64s{chosen}st2"),
         (MosaicMLAConfig(num_splits=8), 8, "k64s8st2"),
