@@ -18,8 +18,8 @@
 #   reading its cache bytes alone (bench_mla_schedule_decode); about 9.5 min
 #   and (STAGES=mla_splits) the Mosaic kernel's decode at B8 over 4096 and 8192 slots, 64 and 8 heads, at split
 #   counts 2-26 beside the one `wave_splits` picks (which leaves the merge's bytes out of its model) and beside
-#   XLA reading the same bytes (bench_mla_decode_splits), and verify 8192 x 17 nodes x B8 x 64 heads at 6-16
-#   splits (bench_mla_verify_splits); about 5.5 min
+#   XLA reading the same bytes (bench_mla_decode_splits), and verify 8192 x 17 nodes x B8 x 64 heads at the
+#   chosen 5 splits beside 6 and 10, timed before (bench_mla_split_model_verify); about 5 min
 #   and (STAGES=mla_adopt) the candidate default (lazy rescale + one meeting, 240 registers) against the default
 #   at the verify cells of the bars, 8192 x {17, 33} x B{8, 1} x {64, 8} heads (bench_mla_adopt_verify), and at
 #   64-head B8 decode over 4096 / 8192 slots at split counts 8, 20, 26 besides the chosen one
@@ -93,8 +93,8 @@ want mla_splits && stage mla_splits 240 "$PY" -m experiments.bench_mla --out_dir
   --contexts=4096,8192 --nodes=1 --batches=8 --heads=64,8 --kernels=mosaic --mosaic_splits=2,4,6,8,10,16,20,26 \
   --check=false --name=bench_mla_decode_splits
 want mla_splits && stage mla_splits_verify 150 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
-  --contexts=8192 --nodes=17 --batches=8 --heads=64 --kernels=mosaic --mosaic_splits=6,8,13,16 \
-  --check=false --name=bench_mla_verify_splits
+  --contexts=8192 --nodes=17 --batches=8 --heads=64 --kernels=mosaic --mosaic_splits=6,10 \
+  --check=false --name=bench_mla_split_model_verify
 M1LZ=lazy_rescale=true,meetings=1,compute_registers=240
 want mla_adopt && stage mla_adopt_verify 290 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
   --contexts=8192 --nodes=17,33 --batches=8,1 --heads=64,8 --kernels=mosaic --mosaic_tiling=$M1LZ --check=false \

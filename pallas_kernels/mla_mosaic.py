@@ -734,7 +734,7 @@ def sm_count() -> int:
 
 # A CTA's fixed cost (Q load, pipeline fill, epilogue, its part of the merge) in KV slots, for `wave_splits`. Fitted
 # on the H200 to verify 8192 / 17 / 8 / 64 (136 CTAs a split) timed at 6, 8, 10, 13 and 16 splits in one run
-# (bench_mla_verify_splits): time / modelled tile-times spreads 1.7 % at 256 slots, 3.6 % at 128 (the earlier
+# (bench_mla_verify_splits): time / modelled tile-times ranges over 4.5 % at 256 slots, 11 % at 128 (the earlier
 # value, which picked 10 splits, 417 us, where 6 took 391 us).
 SPLIT_OVERHEAD_SLOTS = 256
 
