@@ -739,7 +739,7 @@ def sm_count() -> int:
 SPLIT_OVERHEAD_SLOTS = 256
 
 
-def wave_splits(ctas: int, n_tiles: int, sms: int = 132, overhead_tiles: int = 2) -> int:
+def wave_splits(ctas: int, n_tiles: int, sms: int, overhead_tiles: int) -> int:
     """KV splits minimising the modelled time waves * (tiles per split + overhead) with one CTA per SM: `ctas`
     CTAs per split run in ceil(ctas * s / sms) waves of ceil(n_tiles / s) + overhead_tiles tile-times each (the
     overhead stands for the Q load, the output write and the combine). Ties go to fewer splits."""
@@ -760,8 +760,7 @@ def default_config(batch: int, rows: int, max_len: int, tiling: MosaicMLAConfig 
     if config.schedule == "persistent":
         splits = persistent_pieces(row_blocks, tiles, config.ctas or sm_count())
     else:
-        overhead = max(1, SPLIT_OVERHEAD_SLOTS // config.block_k)
-        splits = wave_splits(row_blocks, tiles, sm_count(), overhead_tiles=overhead)
+        splits = wave_splits(row_blocks, tiles, sm_count(), max(1, SPLIT_OVERHEAD_SLOTS // config.block_k))
     return dataclasses.replace(config, num_splits=splits)
 
 
