@@ -38,7 +38,7 @@ flags.DEFINE_list(
 flags.DEFINE_integer("sms", 132, "SMs (one CTA per SM fits)", lower_bound=1)
 flags.DEFINE_integer(
     "overhead_tiles",
-    mla_mosaic.SPLIT_OVERHEAD_SLOTS // mla_mosaic.MosaicMLAConfig().block_k,
+    mla_mosaic.split_overhead_tiles(mla_mosaic.MosaicMLAConfig().block_k),
     "tile-times charged per CTA or segment (Q load, epilogue; default: what the kernel's split choice assumes)",
     lower_bound=0,
 )

@@ -739,6 +739,11 @@ def sm_count() -> int:
 SPLIT_OVERHEAD_SLOTS = 256
 
 
+def split_overhead_tiles(block_k: int) -> int:
+    """`SPLIT_OVERHEAD_SLOTS` in tiles of `block_k` slots (at least one): the overhead `wave_splits` is given."""
+    return max(1, SPLIT_OVERHEAD_SLOTS // block_k)
+
+
 def wave_splits(ctas: int, n_tiles: int, sms: int, overhead_tiles: int) -> int:
     """KV splits minimising the modelled time waves * (tiles per split + overhead) with one CTA per SM: `ctas`
     CTAs per split run in ceil(ctas * s / sms) waves of ceil(n_tiles / s) + overhead_tiles tile-times each (the
@@ -760,7 +765,7 @@ def default_config(batch: int, rows: int, max_len: int, tiling: MosaicMLAConfig 
     if config.schedule == "persistent":
         splits = persistent_pieces(row_blocks, tiles, config.ctas or sm_count())
     else:
-        splits = wave_splits(row_blocks, tiles, sm_count(), max(1, SPLIT_OVERHEAD_SLOTS // config.block_k))
+        splits = wave_splits(row_blocks, tiles, sm_count(), split_overhead_tiles(config.block_k))
     return dataclasses.replace(config, num_splits=splits)
 
 
