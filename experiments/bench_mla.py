@@ -14,9 +14,10 @@ jitted programs of `--inner` (50; unrolled 10) and 2 x `--inner` dependent calls
 launch gaps between kernels count, host dispatch and the final sync do not. `--loop` chains the calls in a while
 loop that carries the cache and rewrites one slot before each call, as the engine's generation loop does (default),
 in a while loop over a loop-invariant cache, or straight-line (unrolled: XLA may then share work between calls on
-the same cache, such as the reference's value slice). The cache holds context + N slots rounded up to
-`--cache_align` (the engine allocates whole 64-slot tiles); with --cache_align=1 the Mosaic kernel pads, that is
-copies, the cache on every call. Results are rewritten after every cell.
+the same cache, such as the reference's value slice). The cache holds context + N slots (or `--cache_len`, the
+engine's allocation for a whole generation) rounded up to `--cache_align` (the engine allocates whole 64-slot
+tiles); with --cache_align=1 the Mosaic kernel pads, that is copies, the cache on every call.
+Results are rewritten after every cell.
 
     python -m experiments.bench_mla --preset=targets --kernels=triton,mosaic
     python -m experiments.bench_mla --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64,8 --sweep=mixed
@@ -105,6 +106,13 @@ flags.DEFINE_integer(
     "cache length: context + N rounded up to this multiple (1: none)",
     lower_bound=1,
 )
+flags.DEFINE_integer(
+    "cache_len",
+    0,
+    "allocated cache slots per sequence, as the engine allocates them for a whole generation (the reference reads "
+    "them all, the kernels only the cell's tiles); rounded up to --cache_align; 0: context + N",
+    lower_bound=0,
+)
 flags.DEFINE_bool(
     "read_floor",
     True,
@@ -186,11 +194,11 @@ def cells() -> list[tuple[int, int, int, int]]:
 
 
 def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, heads: int):
-    """Random bf16 q `[B, N, Hq, 576]`, cache `[B, L, 576]` (L = context + N rounded up to --cache_align),
-    prefix_len = context, tree mask."""
+    """Random bf16 q `[B, N, Hq, 576]`, cache `[B, L, 576]` (L = --cache_len or context + N, rounded up to
+    --cache_align), prefix_len = context, tree mask."""
     key_q, key_c = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
     q = jax.random.normal(key_q, (batch, n, heads, DK), jnp.bfloat16)
-    length = pl.cdiv(context + n, FLAGS.cache_align) * FLAGS.cache_align
+    length = pl.cdiv(FLAGS.cache_len or context + n, FLAGS.cache_align) * FLAGS.cache_align
     cache = jax.random.normal(key_c, (batch, length, DK), jnp.bfloat16)
     prefix = jnp.full((batch,), context, jnp.int32)
     return q, cache, prefix, jnp.asarray(random_tree_mask(rng, batch, n))
@@ -293,8 +301,9 @@ def bench_cell(
         "MB": nbytes / 1e6,
         "GFLOP": flops / 1e9,
         "floor_us": floor * 1e6,
+        "slots": cache.shape[1],
     }
-    ref_set = 3 * batch * n * heads * (context + n) * 4
+    ref_set = 3 * batch * n * heads * cache.shape[1] * 4
     ref_t = float("nan")
     if ref_set < FLAGS.mem_gib * 2**30:
         ref_fn = lambda q_, c_, p_, m_: mla_attention_reference(q_, c_, p_, m_, SCALE, DV)
@@ -336,6 +345,8 @@ def main(argv: Sequence[str]) -> None:
         raise UserError(f"--kernels: unknown {unknown}; choose from {list(KERNELS)}")
     tilings = [("mosaic", parse_tiling(text)) for text in FLAGS.mosaic_tiling]  # bad values fail before measuring
     grid = cells()
+    if FLAGS.cache_len and (short := [c for c in grid if c[0] + c[1] > FLAGS.cache_len]):
+        raise UserError(f"--cache_len={FLAGS.cache_len} is shorter than context + nodes of cell {short[0]}")
     t0 = time.time()
     rng = np.random.default_rng(0)
     bw = copy_bandwidth(FLAGS.ceiling_size)
@@ -348,6 +359,7 @@ def main(argv: Sequence[str]) -> None:
         "nodes",
         "batch",
         "heads",
+        "slots",
         "kernel",
         "ref_us",
         "kernel_us",

@@ -323,6 +323,7 @@ def test_ab_flags(tiny_pair, tmp_path):
         ("bench_mla", "--mosaic_tiling=registers=240", "FIELD=VALUE"),
         ("profile_mla", "--cells=8192/1/x/64", "--cells"),
         ("bench_mla", "--cells=8192/0/8/64", "--cells"),
+        ("bench_mla", "--cells=8192/17/8/64 --cache_len=8200", "--cache_len=8200 is shorter"),
         ("profile_mla", "--tiling=softmax=split_s", "softmax must be one of"),
         ("ptxas_report", "--cells=8192/1/8", "--cells"),
         ("ptxas_report", "--ptxas=/nonexistent/ptxas", "ptxas not found"),
@@ -333,7 +334,7 @@ def test_ab_flags(tiny_pair, tmp_path):
 def test_experiment_bad_input_is_one_line_and_exit_2(module, arg, says):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-m", f"experiments.{module}", arg], cwd=REPO, env=env, capture_output=True, text=True
+        [sys.executable, "-m", f"experiments.{module}", *arg.split()], cwd=REPO, env=env, capture_output=True, text=True
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], lines
@@ -345,6 +346,7 @@ def test_bench_mla_interpret(tmp_path):
         "bench_mla",
         "--interpret",
         "--cells=100/3/2/8",
+        "--cache_len=200",
         "--kernels=triton",
         "--ceiling_size=256",
         f"--out_dir={tmp_path}",
@@ -353,6 +355,7 @@ def test_bench_mla_interpret(tmp_path):
     assert all(c["ok"] and c["kernel"] == "triton" for c in payload["checks"]) and len(payload["checks"]) == 5
     (rec,) = records(tmp_path / "bench_mla.json")
     assert (rec["context"], rec["nodes"], rec["kernel"]) == (100, 3, "triton") and rec["kernel_us"] > 0
+    assert rec["slots"] == 256  # --cache_len rounded up to whole 64-slot tiles
     assert rec["read_us"] > 0 and rec["read_of_copy"] > 0
 
 
