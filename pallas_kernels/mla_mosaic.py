@@ -735,7 +735,10 @@ def sm_count() -> int:
 # A CTA's fixed cost (Q load, pipeline fill, epilogue, its part of the merge) in KV slots, for `wave_splits`. Fitted
 # on the H200 to verify 8192 / 17 / 8 / 64 (136 CTAs a split) timed at 6, 8, 10, 13 and 16 splits in one run
 # (bench_mla_verify_splits): time / modelled tile-times ranges over 4.5 % at 256 slots, 11 % at 128 (the earlier
-# value, which picked 10 splits, 417 us, where 6 took 391 us).
+# value, which picked 10 splits, 417 us, where 6 took 391 us). Checked after: at 8192 slots the count it picks was
+# the fastest (or within 0.1 % of it) of those timed in 1-10 at 17 and 33 nodes, B1 and B8, 64 and 8 heads
+# (bench_mla_split_model_more, bench_mla_split_model_verify), and within 3 % of the best of 2-26 for B8 decode
+# (bench_mla_decode_splits).
 SPLIT_OVERHEAD_SLOTS = 256
 
 
