@@ -193,12 +193,12 @@ def cells() -> list[tuple[int, int, int, int]]:
     return out
 
 
-def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, heads: int):
-    """Random bf16 q `[B, N, Hq, 576]`, cache `[B, L, 576]` (L = --cache_len or context + N, rounded up to
+def make_inputs(rng: np.random.Generator, context: int, n: int, batch: int, heads: int, slots: int = 0):
+    """Random bf16 q `[B, N, Hq, 576]`, cache `[B, L, 576]` (L = `slots` or context + N, rounded up to
     --cache_align), prefix_len = context, tree mask."""
     key_q, key_c = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
     q = jax.random.normal(key_q, (batch, n, heads, DK), jnp.bfloat16)
-    length = pl.cdiv(FLAGS.cache_len or context + n, FLAGS.cache_align) * FLAGS.cache_align
+    length = pl.cdiv(slots or context + n, FLAGS.cache_align) * FLAGS.cache_align
     cache = jax.random.normal(key_c, (batch, length, DK), jnp.bfloat16)
     prefix = jnp.full((batch,), context, jnp.int32)
     return q, cache, prefix, jnp.asarray(random_tree_mask(rng, batch, n))
@@ -266,6 +266,7 @@ def check(
                     "batch": batch,
                     "heads": heads,
                     "growth": growth,
+                    "slots": cache.shape[1],
                     "rel_err": err,
                     "ok": bool(err < 1e-2),
                     "config": label,
@@ -292,7 +293,7 @@ def bench_cell(
     context, n, batch, heads = cell
     nbytes, flops = cost(*cell)
     floor = max(nbytes / ceilings["bw"], flops / ceilings["mm"])
-    q, cache, prefix, mask = make_inputs(rng, context, n, batch, heads)
+    q, cache, prefix, mask = make_inputs(rng, context, n, batch, heads, FLAGS.cache_len)
     base = {
         "context": context,
         "nodes": n,
