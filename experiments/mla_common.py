@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -171,7 +172,8 @@ def per_call_time(build: Callable[[int], Callable[[], Any]], inner: int, repeats
     """(seconds per call, seconds paid once per program) from `build(k)`, a no-argument program of k chained calls,
     at k = inner and 2 * inner, run alternately `repeats` times after a warm-up: per call = the difference of the
     two medians / inner, which leaves out what each program pays once (host dispatch, the sync, the first
-    launch's latency); the rest of the shorter program's median is the once-per-program cost."""
+    launch's latency); the rest of the shorter program's median is the once-per-program cost. A call shorter than
+    the programs' run-to-run noise can come out at or below zero: it is returned as measured and logged."""
     short, long = build(inner), build(2 * inner)
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats + 1):
@@ -181,6 +183,9 @@ def per_call_time(build: Callable[[int], Callable[[], Any]], inner: int, repeats
             ts.append(time.perf_counter() - t0)
     t1, t2 = (statistics.median(ts[1:]) for ts in times)
     per = (t2 - t1) / inner
+    if per <= 0:
+        logging.warning("per-call time %.3g us is below the timing noise (%d vs %d calls: %.6g s, %.6g s)",
+                        per * 1e6, inner, 2 * inner, t1, t2)  # fmt: skip
     return per, t1 - inner * per
 
 
