@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -50,10 +49,9 @@ from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import DenseMLP, KimiForCausalLM, MoE
 from experiments import common
 
-CONFIGS = Path(__file__).resolve().parent / "configs"  # copies of ../shared/spec/configs (they travel with the repo)
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target_config", str(CONFIGS / "kimi-k2.6"), "Target config directory (full model).")
-flags.DEFINE_string("drafter_config", str(CONFIGS / "kimi-k2.5-dflash"), "Drafter config directory.")
+flags.DEFINE_string("target_config", str(common.RELEASED_CONFIGS / "kimi-k2.6"), "Target config directory.")
+flags.DEFINE_string("drafter_config", str(common.RELEASED_CONFIGS / "kimi-k2.5-dflash"), "Drafter config directory.")
 flags.DEFINE_integer("ranks", 8, "GPUs of the deployment (R).")
 flags.DEFINE_integer("tensor", 8, "Tensor-parallel size t of attention / dense / shared / lm_head / drafter.")
 flags.DEFINE_integer("local_topk", 2, "Routed experts per token on the measured (busiest) rank.")

@@ -46,10 +46,9 @@ from ddtree_jax.models.kimi import KimiForCausalLM  # noqa: E402
 from experiments import common, round_pieces  # noqa: E402
 from experiments.progress import Progress  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target_config", str(HERE / "configs" / "kimi-k2.6"), "Kimi K2.6 config.json (directory)")
-flags.DEFINE_string("drafter_config", str(HERE / "configs" / "kimi-k2.5-dflash"), "DFlash drafter config")
+flags.DEFINE_string("target_config", str(common.RELEASED_CONFIGS / "kimi-k2.6"), "Kimi K2.6 config.json (directory)")
+flags.DEFINE_string("drafter_config", str(common.RELEASED_CONFIGS / "kimi-k2.5-dflash"), "DFlash drafter config")
 flags.DEFINE_integer("layers", 0, "target layers to build (0: as many as fit in --mem_gb; 3 with --tiny)")
 flags.DEFINE_float("mem_gb", 122.0, "device memory for weights + caches (the rest is left for activations)")
 flags.DEFINE_list("budgets", ["8", "16", "32", "64"], "DDTree budgets")

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# The released Kimi K2.6 / K2-Thinking / K2.5-DFlash config.json files (provenance: configs/README.md).
+RELEASED_CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def git_commit() -> str:

@@ -19,10 +19,10 @@ from absl import flags
 from ddtree_jax import memory
 from ddtree_jax.config import load_dflash_config, load_kimi_config
 from ddtree_jax.errors import run_app
-from experiments.common import markdown_table, write_results
+from experiments.common import RELEASED_CONFIGS, markdown_table, write_results
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("configs", "/work/shared/spec/configs", "Holds kimi-k2.6/ and kimi-k2.5-dflash/.")
+flags.DEFINE_string("configs", str(RELEASED_CONFIGS), "Holds kimi-k2.6/ and kimi-k2.5-dflash/.")
 flags.DEFINE_float("device_gb", 141.0, "Memory per device, GB.")
 flags.DEFINE_string("mesh", "expert=8", "Mesh layout of the plan.")
 

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, YarnConfig
+from experiments.common import RELEASED_CONFIGS
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -62,15 +63,10 @@ def tiny_cfg() -> KimiConfig:
     return tiny_kimi_config()
 
 
-SPEC_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "spec" / "configs"
-
-
 @pytest.fixture
 def spec_configs() -> Path:
-    """../shared/spec/configs beside the checkout (CI lays shared/ beside the clone)."""
-    if not SPEC_CONFIGS.is_dir():
-        pytest.fail(f"reference configs not found at {SPEC_CONFIGS}")
-    return SPEC_CONFIGS
+    """The released Kimi configs kept in the repository (experiments/configs)."""
+    return RELEASED_CONFIGS
 
 
 def tiny_dflash_config(target: KimiConfig, block_size: int = 4, **overrides) -> DFlashConfig:

@@ -11,8 +11,8 @@ import pytest
 
 from ddtree_jax.config import load_kimi_config
 from ddtree_jax.sizing import model_sizes
+from experiments.common import RELEASED_CONFIGS
 
-CONFIGS = Path("/work/shared/spec/configs")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -51,7 +51,7 @@ def spec_numbers() -> dict[str, int]:
 
 @pytest.mark.parametrize("name", ["kimi-k2.6", "kimi-k2-thinking"])
 def test_model_sizes_real_configs(name):
-    got = model_sizes(load_kimi_config(CONFIGS / name))
+    got = model_sizes(load_kimi_config(RELEASED_CONFIGS / name))
     assert got == spec_numbers()
     # The spec's rounded figures (§4, §5, §8).
     assert round(got["total_params"] / 1e9, 1) == 1026.4
@@ -74,7 +74,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_prints_json():
-    out = _cli(f"--target={CONFIGS / 'kimi-k2.6'}")
+    out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == spec_numbers()
 
@@ -93,7 +93,7 @@ def test_cli_prints_the_memory_plan():
     from ddtree_jax import memory
     from ddtree_jax.config import load_dflash_config
 
-    target, drafter = CONFIGS / "kimi-k2.6", CONFIGS / "kimi-k2.5-dflash"
+    target, drafter = RELEASED_CONFIGS / "kimi-k2.6", RELEASED_CONFIGS / "kimi-k2.5-dflash"
     args = ["--batch_size=4", "--max_len=8192", "--prompt_len=1024", "--mesh=expert=8", "--device_gb=141"]
     out = _cli(f"--target={target}", f"--drafter={drafter}", *args)
     assert out.returncode == 0, out.stderr
@@ -111,5 +111,5 @@ def test_cli_prints_the_memory_plan():
 
 
 def test_cli_plan_needs_both_sizes():
-    out = _cli(f"--target={CONFIGS / 'kimi-k2.6'}", "--batch_size=4")
+    out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}", "--batch_size=4")
     assert out.returncode == 2 and "error: --batch_size and --max_len go together" in out.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +17,7 @@ from ddtree_jax.errors import UserError
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
 from ddtree_jax.sizing import drafter_params
-
-CONFIGS = Path("/work/shared/spec/configs")
+from experiments.common import RELEASED_CONFIGS
 
 
 def _leaf_bytes(x: jax.ShapeDtypeStruct) -> float:
@@ -46,7 +44,7 @@ def test_weights_per_device_follow_the_sharding_rules(quantized: bool, expert: i
 
 
 def test_drafter_params_match_its_checkpoint() -> None:
-    for cfg in (tiny_dflash_config(tiny_kimi_config()), load_dflash_config(CONFIGS / "kimi-k2.5-dflash")):
+    for cfg in (tiny_dflash_config(tiny_kimi_config()), load_dflash_config(RELEASED_CONFIGS / "kimi-k2.5-dflash")):
         assert drafter_params(cfg) == sum(math.prod(shape) for _, shape, _ in tensor_table(cfg))
 
 
@@ -84,7 +82,7 @@ def test_data_axis_splits_the_batch_and_tensor_the_heads() -> None:
 def test_workspace_terms() -> None:
     # Prefill attention is chunked: scores grow as chunk x context, not prompt^2; a short (single-pass) prompt
     # pays prompt^2. The round term grows with the tree and the context.
-    t, d = load_kimi_config(CONFIGS / "kimi-k2.6"), load_dflash_config(CONFIGS / "kimi-k2.5-dflash")
+    t, d = load_kimi_config(RELEASED_CONFIGS / "kimi-k2.6"), load_dflash_config(RELEASED_CONFIGS / "kimi-k2.5-dflash")
     p = memory.plan(t, d, batch=1, max_len=8192, method="ddtree", budget=16)
     chunk_scores = 2 * 64 * memory.PREFILL_CHUNK * p.capacity * 4  # scores + probabilities [1, C, 64, cap] f32
     assert chunk_scores <= p.workspace["prefill"] < 2 * 64 * 8192**2 * 4
@@ -98,7 +96,7 @@ def test_workspace_terms() -> None:
 
 
 def test_k26_on_eight_gpus() -> None:
-    t, d = load_kimi_config(CONFIGS / "kimi-k2.6"), load_dflash_config(CONFIGS / "kimi-k2.5-dflash")
+    t, d = load_kimi_config(RELEASED_CONFIGS / "kimi-k2.6"), load_dflash_config(RELEASED_CONFIGS / "kimi-k2.5-dflash")
     p = memory.plan(t, d, batch=1, max_len=8192, method="ddtree", layout=memory.Layout(expert=8))
     assert p.weights["routed_experts"] == 48 * 60 * 24_772_608  # 384 / 8 experts per MoE layer, INT4
     assert round(sum(p.weights.values()) / 1e9, 1) == 101.7  # + 23.4 GB replicated + 7.0 GB drafter
