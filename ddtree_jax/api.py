@@ -21,12 +21,13 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from ddtree_jax import engine, sharding, topk
+from ddtree_jax import engine, sharding
 from ddtree_jax.config import check_pair
 from ddtree_jax.errors import NumericsError, UserError
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
-from pallas_kernels import dispatch
+from ddtree_jax.sampling import request_keys
+from pallas_kernels.dispatch import Kernels
 
 PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so few shapes get compiled
 
@@ -65,7 +66,7 @@ class Generator:
                 sharding.shard_model(drafter, self.mesh)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.trained_context = trained_context
-        self._compiled: dict[tuple, tuple] = {}  # (spec, dispatch.state()) -> compiled program and states
+        self._compiled: dict[engine.GenSpec, tuple] = {}  # spec (kernel selection included) -> program and states
         self.compile_seconds: dict[engine.GenSpec, float] = {}  # per program, however it was compiled
 
     @property
@@ -105,7 +106,9 @@ class Generator:
         temperature: float,
         max_new_tokens: int,
         ignore_eos: bool,
+        kernels: Kernels | None = None,
     ) -> engine.GenSpec:
+        """The program for these settings; kernels None: `Kernels.from_env()` (read now)."""
         return engine.GenSpec(
             method=method,
             batch=batch,
@@ -114,6 +117,7 @@ class Generator:
             budget=budget,
             temperature=float(temperature),
             stop_ids=() if ignore_eos else self.target.config.stop_token_ids,
+            kernels=Kernels.from_env() if kernels is None else kernels,
         )
 
     def spec_for(
@@ -123,30 +127,24 @@ class Generator:
         to `precompile` it."""
         return self.spec(max(len(prompts), pad_batch_to or 0), max(len(p) for p in prompts), **settings)
 
-    @staticmethod
-    def _key(spec: engine.GenSpec) -> tuple:
-        """A program keeps the kernels and the top-k chunk length it was traced with."""
-        return spec, dispatch.state(), topk.CHUNK
-
     def compiled(self, spec: engine.GenSpec):
-        """The compiled program for `spec` under the current kernel selection (`pallas_kernels.dispatch`) and the
-        seconds spent compiling it now (0 if cached)."""
-        key = self._key(spec)
-        if key in self._compiled:
-            return self._compiled[key], 0.0
+        """The compiled program for `spec` (its kernel selection, `spec.kernels`, included) and the seconds spent
+        compiling it now (0 if cached)."""
+        if spec in self._compiled:
+            return self._compiled[spec], 0.0
         t0 = time.perf_counter()
         drafter = self.drafter if spec.method != "ar" else None
         with sharding.use_mesh(self.mesh):
-            self._compiled[key] = engine.compile_generate(self.target, drafter, spec)
+            self._compiled[spec] = engine.compile_generate(self.target, drafter, spec)
         dt = time.perf_counter() - t0
         self.compile_seconds[spec] = dt
         logging.info("compiled %s in %.1fs", spec, dt)
-        return self._compiled[key], dt
+        return self._compiled[spec], dt
 
     def precompile(self, specs: Sequence[engine.GenSpec], workers: int) -> float:
         """Compile the `specs` not cached yet on `workers` threads (XLA compiles outside the GIL, so a many-core
         host overlaps them). Returns the wall seconds; each program's own time goes to `compile_seconds`."""
-        todo = list(dict.fromkeys(s for s in specs if self._key(s) not in self._compiled))
+        todo = list(dict.fromkeys(s for s in specs if s not in self._compiled))
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(self.compiled, todo))
@@ -161,13 +159,24 @@ class Generator:
         temperature: float = 0.0,
         max_new_tokens: int = 128,
         seed: int = 0,
+        request_indices: Sequence[int] | None = None,
         ignore_eos: bool = False,
         pad_batch_to: int | None = None,
+        kernels: Kernels | None = None,
     ) -> GenerationResult:
-        """Generate for a batch of token-id prompts (different lengths allowed). pad_batch_to: run the program at
-        this batch size (extra rows repeat the last prompt and are dropped) so batches share one compilation."""
+        """Generate for a batch of token-id prompts (different lengths allowed).
+
+        Sampling (temperature > 0): prompt i's randomness depends only on (seed, request_indices[i]) (default
+        request_indices: 0..n-1), not on the batch it shares, its row or the batch size. Give each request its own
+        index (e.g. its position in a file) to draw independent samples; the same (seed, index) repeats a sample.
+        pad_batch_to: run the program at this batch size (extra rows repeat the last prompt and are dropped) so
+        batches share one compilation. kernels: the kernel selection (None: `Kernels.from_env()`); each selection
+        compiles its own program."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        indices = list(range(len(prompts))) if request_indices is None else list(request_indices)
+        if len(indices) != len(prompts):
+            raise ValueError(f"{len(indices)} request_indices for {len(prompts)} prompts")
         longest = max(len(p) for p in prompts) + max_new_tokens
         if self.trained_context is not None and longest > self.trained_context:
             logging.log_first_n(
@@ -178,7 +187,12 @@ class Generator:
                 longest,
                 self.trained_context,
             )
-        settings = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+        settings = {
+            "temperature": temperature,
+            "max_new_tokens": max_new_tokens,
+            "ignore_eos": ignore_eos,
+            "kernels": kernels,
+        }
         spec = self.spec_for(prompts, method=method, budget=budget, pad_batch_to=pad_batch_to, **settings)
         n, batch = len(prompts), spec.batch
         rows = list(prompts) + [prompts[-1]] * (batch - n)
@@ -186,7 +200,8 @@ class Generator:
         padded = np.zeros((batch, spec.prompt_len), np.int32)
         for i, p in enumerate(rows):
             padded[i, : len(p)] = p
-        args = jax.device_put((padded, np.array([len(p) for p in rows], np.int32), jax.random.key(seed)))
+        keys = request_keys(seed, indices + indices[-1:] * (batch - n))
+        args = jax.device_put((padded, np.array([len(p) for p in rows], np.int32), keys))
         t0 = time.perf_counter()
         out = jax.block_until_ready(program(t_state, d_state, *args))
         wall = time.perf_counter() - t0

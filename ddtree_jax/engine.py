@@ -26,7 +26,7 @@ from ddtree_jax import sharding
 from ddtree_jax import tree as ddtree
 from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache
 from ddtree_jax.models.kimi import ForwardOut, KimiForCausalLM, LatentCache
-from ddtree_jax.sampling import sample
+from ddtree_jax.sampling import sample, split_rows
 from ddtree_jax.sizing import cache_slots
 from pallas_kernels import dispatch
 
@@ -45,6 +45,7 @@ class GenSpec:
     temperature: float = 0.0
     stop_ids: tuple[int, ...] = ()
     prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks (absorbed MLA over the cache)
+    kernels: dispatch.Kernels = dataclasses.field(default_factory=dispatch.Kernels.from_env)  # traced into the program
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -64,7 +65,7 @@ class LoopState(NamedTuple):
     ctx_len: jax.Array  # [B] int32 drafter cache length
     pend_feats: jax.Array | None  # [B, D+1, K*H]
     pend_count: jax.Array  # [B] int32
-    key: jax.Array
+    keys: jax.Array  # [B] each row's own key (`sampling.request_keys`), split once per round
     rounds: jax.Array  # [B] int32 rounds in which the row was active
     accept_hist: jax.Array  # [B, D+2] int32 histogram of tokens committed per round (tau)
     bad_round: jax.Array  # [B] int32: first round whose target logits were not finite (0 = prefill), -1 if none
@@ -159,9 +160,10 @@ def prefill(
     spec: GenSpec,
     prompts: jax.Array,
     prompt_len: jax.Array,
-    key: jax.Array,
+    keys: jax.Array,
 ) -> LoopState:
-    """prompts `[B, P]` right-padded, prompt_len `[B]` -> the loop state after the first generated token.
+    """prompts `[B, P]` right-padded, prompt_len `[B]`, keys `[B]` (one per row) -> the loop state after the first
+    generated token.
 
     Up to `spec.prefill_chunk` tokens: one pass in the naive (per-head) MLA form. Longer: a scan over chunks in the
     absorbed form, each attending to the cache the earlier chunks wrote, so attention memory stays chunk x context.
@@ -182,7 +184,15 @@ def prefill(
         cache, dcache, last = carry
         offset = i * chunk
         positions = jnp.broadcast_to(offset + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-        fwd = target(chunks[i], positions, cache, zeros + offset, feature_layers=feature_layers, naive=n_chunks == 1)
+        fwd = target(
+            chunks[i],
+            positions,
+            cache,
+            zeros + offset,
+            feature_layers=feature_layers,
+            naive=n_chunks == 1,
+            kernels=spec.kernels,
+        )
         if drafter is not None:
             dcache = drafter.append_context(dcache, fwd.features, positions, zeros + offset)
         idx = prompt_len - 1 - offset  # the row's last prompt token, if it falls in this chunk
@@ -192,7 +202,7 @@ def prefill(
 
     last0 = jnp.zeros((b, target.config.hidden_size), target.dtype)
     (cache, dcache, last), _ = jax.lax.scan(step, (cache, dcache, last0), jnp.arange(n_chunks))
-    key, sub = jax.random.split(key)
+    keys, sub = split_rows(keys)
     logits = target.logits(last)
     first = sample(logits, sub, spec.temperature)
     finite = _finite_rows(logits)
@@ -213,7 +223,7 @@ def prefill(
         ctx_len=prompt_len.astype(jnp.int32),
         pend_feats=pend_feats,
         pend_count=zeros,
-        key=key,
+        keys=keys,
         rounds=zeros,
         accept_hist=jnp.zeros((b, d + 2), jnp.int32),
         bad_round=jnp.where(finite, -1, 0),
@@ -242,13 +252,13 @@ def _finish_round(spec: GenSpec, s: LoopState, new_tokens, tau, bonus, cache, fi
 
 def ar_round(target: KimiForCausalLM, spec: GenSpec, s: LoopState) -> LoopState:
     """One autoregressive step for every row."""
-    key, sub = jax.random.split(s.key)
+    keys, sub = split_rows(s.keys)
     with jax.named_scope("step"):
-        fwd = target(s.root[:, None], s.start[:, None], s.cache, s.start)
+        fwd = target(s.root[:, None], s.start[:, None], s.cache, s.start, kernels=spec.kernels)
         logits = target.logits(fwd.hidden[:, 0])
         nxt = sample(logits, sub, spec.temperature)
         tau = jnp.ones_like(nxt)
-        return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, _finite_rows(logits), key=key)
+        return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, _finite_rows(logits), keys=keys)
 
 
 def draft(target: KimiForCausalLM, drafter: DFlashDrafter, s: LoopState) -> tuple[jax.Array, DrafterCache]:
@@ -273,8 +283,9 @@ def build_trees(
         tree = jax.vmap(ddtree.chain_tree)(draft_logits, root)
         return tree, _masks(tree, drafter.config.num_draft)
     # = ddtree.build_tree per row; vocab-parallel when the active mesh splits the lm_head vocabulary.
-    lp_k, ids_k = sharding.topk_logsoftmax(draft_logits, min(spec.budget, draft_logits.shape[-1]))
-    *fields, mask = dispatch.build_tree(lp_k, ids_k, root, spec.budget, _reference_trees)
+    k = min(spec.budget, draft_logits.shape[-1])
+    lp_k, ids_k = sharding.topk_logsoftmax(draft_logits, k, spec.kernels.topk_chunk)
+    *fields, mask = dispatch.build_tree(spec.kernels, lp_k, ids_k, root, spec.budget, _reference_trees)
     return ddtree.Tree(*fields), mask
 
 
@@ -296,15 +307,17 @@ def verify(
     s: LoopState,
     tree: ddtree.Tree,
     mask: jax.Array,
-    key: jax.Array,
+    keys: jax.Array,
 ) -> tuple[ForwardOut, jax.Array, jax.Array]:
     """Target forward over the trees (mask `[B, T, T]` from `build_trees`, positions start + depth), then one
-    target draw per node. Returns (forward, post `[B, T]`, finite `[B]`: every logit of the row was finite).
+    target draw per node (row b's from keys[b]). Returns (forward, post `[B, T]`, finite `[B]`: every logit of the
+    row was finite).
     """
     positions = s.start[:, None] + tree.depth
-    fwd = target(tree.tokens, positions, s.cache, s.start, mask, feature_layers=drafter.config.target_layer_ids)
+    layers = drafter.config.target_layer_ids
+    fwd = target(tree.tokens, positions, s.cache, s.start, mask, feature_layers=layers, kernels=spec.kernels)
     logits = target.logits(fwd.hidden)
-    return fwd, sample(logits, key, spec.temperature), _finite_rows(logits)
+    return fwd, sample(logits, keys, spec.temperature), _finite_rows(logits)
 
 
 def accept(
@@ -345,7 +358,7 @@ def accept(
 def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s: LoopState) -> LoopState:
     """draft -> tree -> verify -> walk -> commit + compact, for every row (each under its `jax.named_scope`, so a
     device profile can attribute every kernel: experiments/breakdown.py)."""
-    key, sub = jax.random.split(s.key)
+    keys, sub = split_rows(s.keys)
     with jax.named_scope("draft"):
         draft_logits, dcache = draft(target, drafter, s)
     with jax.named_scope("tree"):
@@ -353,7 +366,7 @@ def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s
     with jax.named_scope("verify"):
         fwd, post, finite = verify(target, drafter, spec, s, tree, mask, sub)
     with jax.named_scope("accept"):
-        return accept(spec, s._replace(key=key, dcache=dcache), tree, mask, fwd.features, fwd.cache, post, finite)
+        return accept(spec, s._replace(keys=keys, dcache=dcache), tree, mask, fwd.features, fwd.cache, post, finite)
 
 
 def generate(
@@ -362,11 +375,12 @@ def generate(
     spec: GenSpec,
     prompts: jax.Array,
     prompt_len: jax.Array,
-    key: jax.Array,
+    keys: jax.Array,
 ) -> GenOut:
-    """Prefill + rounds until every row hit max_new_tokens or a stop token. Pure; jit it (see `compile_generate`)."""
+    """Prefill + rounds until every row hit max_new_tokens or a stop token; keys `[B]`, one per row
+    (`sampling.request_keys`). Pure; jit it (see `compile_generate`)."""
     with jax.named_scope("prefill"):
-        s = prefill(target, drafter, spec, prompts, prompt_len, key)
+        s = prefill(target, drafter, spec, prompts, prompt_len, keys)
 
     def body(st: LoopState) -> LoopState:
         if spec.method == "ar":
@@ -386,22 +400,23 @@ def matmul_precision(dtype) -> str | None:
 def compile_generate(target: KimiForCausalLM, drafter: DFlashDrafter | None, spec: GenSpec):
     """AOT-compile `generate` for `spec`: returns (compiled, target_state, drafter_state).
 
-    Call as `compiled(target_state, drafter_state, prompts, prompt_len, key)`.
+    Call as `compiled(target_state, drafter_state, prompts, prompt_len, keys)`, keys `[batch]`
+    (`sampling.request_keys`).
     """
     if spec.method != "ar" and drafter is None:
         raise ValueError(f"method {spec.method!r} needs a drafter")
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter) if drafter is not None else (None, None)
 
-    def run(t_state, d_state, prompts, prompt_len, key):
+    def run(t_state, d_state, prompts, prompt_len, keys):
         t = nnx.merge(tg, t_state)
         d = nnx.merge(dg, d_state) if dg is not None else None
-        return generate(t, d, spec, prompts, prompt_len, key)
+        return generate(t, d, spec, prompts, prompt_len, keys)
 
     shapes = (
         jax.ShapeDtypeStruct((spec.batch, spec.prompt_len), jnp.int32),
         jax.ShapeDtypeStruct((spec.batch,), jnp.int32),
-        jax.eval_shape(lambda: jax.random.key(0)),
+        jax.eval_shape(lambda: jax.random.split(jax.random.key(0), spec.batch)),
     )
     precision = matmul_precision(target.dtype)
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():

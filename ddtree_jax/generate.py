@@ -39,7 +39,7 @@ flags.DEFINE_string("output", None, "JSON Lines results, in input order.")
 flags.DEFINE_integer("batch_size", 8, "Prompts per batch.")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Activation / weight dtype.")
 flags.DEFINE_bool("ignore_eos", False, "Generate max_new_tokens even past a stop token.")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("seed", 0, "Sampling seed; a request's samples depend only on (seed, its index in --prompts).")
 flags.DEFINE_bool("resume", False, "Keep the existing --output and skip the ids already in it.")
 flags.DEFINE_bool("chat", False, "Wrap text prompts in the checkpoint's chat format.")
 flags.DEFINE_string(
@@ -151,7 +151,8 @@ def main(argv: Sequence[str]) -> None:
     check_lengths(prompts, FLAGS.max_new_tokens, context_limit, draft_slots(FLAGS.method, drafter_cfg))
     writer = OutputWriter(FLAGS.output, [p.id for p in prompts], resume=FLAGS.resume)
     done = writer.done_ids()
-    todo = [p for p in prompts if p.id not in done]
+    # A request's index in the file seeds its sampling, whatever batch it lands in (and across --resume).
+    todo = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
     if not todo:
         logging.info("All %d prompts are already in %s; nothing to do.", len(prompts), FLAGS.output)
         return
@@ -160,8 +161,14 @@ def main(argv: Sequence[str]) -> None:
     import jax.numpy as jnp
 
     from ddtree_jax.api import PROMPT_BUCKET, Generator
+    from pallas_kernels.dispatch import Kernels
 
-    longest = PROMPT_BUCKET * math.ceil(max(len(p.token_ids) for p in todo) / PROMPT_BUCKET)
+    try:
+        kernels = Kernels.from_env()
+    except ValueError as e:
+        raise UserError(f"kernel selection (DDTREE_* environment): {e}") from None
+
+    longest = PROMPT_BUCKET * math.ceil(max(len(p.token_ids) for _, p in todo) / PROMPT_BUCKET)
     memory.check_fits(
         target_cfg,
         drafter_cfg,
@@ -182,16 +189,18 @@ def main(argv: Sequence[str]) -> None:
     for start in range(0, len(todo), FLAGS.batch_size):
         batch = todo[start : start + FLAGS.batch_size]
         res = gen.generate(
-            [list(p.token_ids) for p in batch],
+            [list(p.token_ids) for _, p in batch],
             method=FLAGS.method,
             budget=FLAGS.budget,
             temperature=FLAGS.temperature,
             max_new_tokens=FLAGS.max_new_tokens,
             seed=FLAGS.seed,
+            request_indices=[i for i, _ in batch],
+            kernels=kernels,
             ignore_eos=FLAGS.ignore_eos,
             pad_batch_to=min(FLAGS.batch_size, len(todo)),  # a short last batch reuses the full batch's program
         )
-        rows = zip(batch, res.tokens, res.stats, strict=True)
+        rows = zip((p for _, p in batch), res.tokens, res.stats, strict=True)
         writer.write_batch([make_record(p, t, s, res.wall_s, tokenizer) for p, t, s in rows])
         tokens += sum(len(t) for t in res.tokens)
         rounds += sum(s["rounds"] for s in res.stats)

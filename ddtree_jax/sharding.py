@@ -177,9 +177,11 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
 # ---- expert parallelism -----------------------------------------------------------------------
 
 
-def moe_swiglu(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s) -> jax.Array:
-    """`dispatch.moe_swiglu` (same shapes: x `[T, H]`, ids/weights `[T, k]`, experts `[E, ...]`), expert-parallel
-    under the active mesh.
+def moe_swiglu(
+    kernels: dispatch.Kernels, x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s
+) -> jax.Array:
+    """`dispatch.moe_swiglu` (same arguments and shapes: x `[T, H]`, ids/weights `[T, k]`, experts `[E, ...]`),
+    expert-parallel under the active mesh.
 
     Each device of an `expert x tensor` group holds E/N consecutive experts and runs the dispatch kernel on them
     with ids made local; entries routed to other devices get id 0 and weight 0. Tokens are split over `data`
@@ -187,7 +189,7 @@ def moe_swiglu(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s) 
     """
     mesh = _active
     if mesh is None:
-        return dispatch.moe_swiglu(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s)
+        return dispatch.moe_swiglu(kernels, x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s)
     group = LOGICAL_AXES["experts"]
     n_local = gate_up_q.shape[0] // _axis_size(mesh, group)
     tokens = PartitionSpec(LOGICAL_AXES["batch"], None)
@@ -196,7 +198,7 @@ def moe_swiglu(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s) 
     def local(x, ids, w, *weights):
         first = jax.lax.axis_index(group) * n_local
         mine = (ids >= first) & (ids < first + n_local)
-        y = dispatch.moe_swiglu(x, jnp.where(mine, ids - first, 0), jnp.where(mine, w, 0.0), *weights)
+        y = dispatch.moe_swiglu(kernels, x, jnp.where(mine, ids - first, 0), jnp.where(mine, w, 0.0), *weights)
         return jax.lax.psum(y, group)
 
     # check_vma off: the Pallas kernel's outputs carry no varying-axes annotation.
@@ -212,19 +214,21 @@ def moe_swiglu(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s) 
 # ---- head-parallel attention ------------------------------------------------------------------
 
 
-def mla_attention(q, latent_cache, prefix_len, tree_mask, scale: float, value_dim: int = 512) -> jax.Array:
+def mla_attention(
+    kernels: dispatch.Kernels, q, latent_cache, prefix_len, tree_mask, scale: float, value_dim: int = 512
+) -> jax.Array:
     """`dispatch.mla_attention` (q `[B, N, Hq, 576]`, cache `[B, L, 576]`, prefix_len `[B]`, mask `[B, N, N]`),
     run per device on its heads under the active mesh: heads split over `tensor`, rows over `data`, the latent
     cache whole on every head shard. No collective: the kernel (a custom call GSPMD cannot split) sees only
     local heads, and the o_proj all-reduce after it is GSPMD's."""
     mesh = _active
     if mesh is None:
-        return dispatch.mla_attention(q, latent_cache, prefix_len, tree_mask, scale, value_dim)
+        return dispatch.mla_attention(kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim)
     batch = LOGICAL_AXES["batch"]
     heads = PartitionSpec(batch, None, LOGICAL_AXES["heads"], None)
     rows = PartitionSpec(batch, None, None)
     return jax.shard_map(
-        lambda *a: dispatch.mla_attention(*a, scale, value_dim),
+        lambda *a: dispatch.mla_attention(kernels, *a, scale, value_dim),
         mesh=mesh,
         in_specs=(heads, rows, PartitionSpec(batch), rows),
         out_specs=heads,
@@ -235,20 +239,20 @@ def mla_attention(q, latent_cache, prefix_len, tree_mask, scale: float, value_di
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------
 
 
-def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def topk_logsoftmax(logits: jax.Array, k: int, chunk: int) -> tuple[jax.Array, jax.Array]:
     """logits `[B, D, V]` -> (log-probs `[B, D, k]` f32 sorted descending, token ids `[B, D, k]` int32) of
     log_softmax(logits) at temperature 1; ties go to the lower token id, as `lax.top_k` does.
 
     Without an active mesh (or with tensor=1) this is `lax.top_k(log_softmax(logits))`, taken chunk-wise
-    (`topk.top_k`: the same result, many short rows for the GPU instead of D long ones). With the vocabulary
-    split over `tensor` it never gathers `[B, D, V]`: each shard computes its local log-Z `[B, D]`; an
+    (`topk.top_k` with rows of `chunk`: the same result, many short rows for the GPU instead of D long ones). With
+    the vocabulary split over `tensor` it never gathers `[B, D, V]`: each shard computes its local log-Z `[B, D]`; an
     all-gather of those gives the global log-Z (logsumexp of the local ones); each shard takes its local top-k
     of the log-probs; an all-gather of the `[B, D, tensor*k]` candidates and a global top-k finish.
     """
     mesh = _active
     vocab_axes = LOGICAL_AXES["vocab"]
     if mesh is None or _axis_size(mesh, vocab_axes) == 1:
-        return topk.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+        return topk.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k, chunk)
     v_local = logits.shape[-1] // _axis_size(mesh, vocab_axes)
     k_local = min(k, v_local)  # every global top-k entry is in its shard's top-k_local
 
@@ -256,7 +260,7 @@ def topk_logsoftmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         lg = lg.astype(jnp.float32)
         log_z_local = jax.nn.logsumexp(lg, axis=-1)  # [b, D]
         log_z = jax.nn.logsumexp(jax.lax.all_gather(log_z_local, vocab_axes, axis=-1), axis=-1)
-        lp, ids = topk.top_k(lg - log_z[..., None], k_local)
+        lp, ids = topk.top_k(lg - log_z[..., None], k_local, chunk)
         ids = ids + jax.lax.axis_index(vocab_axes) * v_local
         # Shard-major candidate order = ascending token id among equal log-probs, so top_k keeps the tie rule.
         lp_all = jax.lax.all_gather(lp, vocab_axes, axis=-1, tiled=True)

@@ -1,44 +1,21 @@
 """Exact top-k over the last axis in rounds of per-chunk top-k, for rows too few and too long for the GPU.
 
-The DDTree's draft distribution `[B, D, V]` at batch 1 is D = 7 long rows. On the H200 XLA lowered `lax.top_k` of
-those rows to its TopK kernel for k <= 16 and to a full sort of every row for k = 32 (optimized-HLO dump at
-425828f), 21 us per round at V = 4096 in the breakdown. Splitting each row into chunks, taking the top-k of every
-chunk (D * V / chunk short rows), and repeating on the concatenated winners until one chunk is left gives the same
-values and indices bit for bit; bench_topk at c562972 (H200, batch 1, D = 7): 22-26 us vs 33-75 us for lax.top_k
-at V = 4096 and 79-94 us vs 168-338 us at Kimi's V = 163840, k in {8, 16, 32, 64} (per call inside a scan, log_softmax
-and the loop's own cost included).
+The DDTree's draft distribution `[B, D, V]` at batch 1 is D long rows, for which XLA's own top-k can fall back to a
+sort of every row. Splitting each row into chunks, taking the top-k of every chunk (D * V / chunk short rows), and
+repeating on the concatenated winners until one chunk is left gives the same values and indices bit for bit.
+The chunk length is part of the kernel selection (`pallas_kernels.dispatch.Kernels.topk_chunk`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import jax
 import jax.numpy as jnp
 
-# Row length per round, read when a program is traced (part of `api.Generator`'s program key); 0: plain lax.top_k.
-# experiments/bench_tree_build.py --topk_vocabs times lengths alone, experiments/ab_topk.py in generation.
-CHUNK = 512
 
-
-@contextlib.contextmanager
-def chunk_length(chunk: int) -> Iterator[None]:
-    """Trace programs with `CHUNK = chunk` inside the block (0: plain `lax.top_k`)."""
-    global CHUNK
-    if chunk < 0:
-        raise ValueError(f"chunk length must be >= 0, got {chunk}")
-    saved, CHUNK = CHUNK, chunk
-    try:
-        yield
-    finally:
-        CHUNK = saved
-
-
-def top_k(x: jax.Array, k: int, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
+def top_k(x: jax.Array, k: int, chunk: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k(x, k)` bit for bit (x `[..., n]` float -> values `[..., k]` descending, int32 indices `[..., k]`,
     equal values in ascending index order), computed chunk-wise when n > max(chunk, 4k) (the chunk length used;
-    `chunk` defaults to `CHUNK`, and 0 takes `lax.top_k` itself).
+    0 takes `lax.top_k` itself).
 
     Exact because every entry of the top-k (under value desc, index asc) is in its own chunk's top-k, and the
     winners are concatenated chunk by chunk, each chunk's in that same order, so among equal values a candidate's
@@ -48,7 +25,6 @@ def top_k(x: jax.Array, k: int, chunk: int | None = None) -> tuple[jax.Array, ja
     n = x.shape[-1]
     if k > n:
         raise ValueError(f"top_k: k = {k} exceeds the row length {n}")
-    chunk = CHUNK if chunk is None else chunk
     chunk = max(chunk, 4 * k) if chunk else n  # each round shrinks the rows at least 4x; 0: no rounds
     lead = x.shape[:-1]
     ids = None  # [..., m] original index of each candidate; None: the candidates are x itself

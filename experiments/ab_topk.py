@@ -3,10 +3,10 @@
 
     python -m experiments.ab_topk [--budgets=8,16,32 --chunks=0,512 --repeats=9]
 
-Every program is compiled up front (one per budget and chunk length: `api.Generator` keys programs by
-`topk.CHUNK`); then `common.time_interleaved` times all settings round by round, so drift lands on each alike. Both
-top-k forms return the same candidates, so every DDTree row must equal AR's and a budget's acceptance must not
-depend on the chunk length; `identical` and `tokens_per_round` show it. Writes <out_dir>/ab_topk.json and .md.
+Every program is compiled up front (one per budget and chunk length, `Kernels.topk_chunk`, part of each program's
+key); then `common.time_interleaved` times all settings round by round, so drift lands on each alike. Both top-k
+forms return the same candidates, so every DDTree row must equal AR's and a budget's acceptance must not depend on
+the chunk length; `identical` and `tokens_per_round` show it. Writes <out_dir>/ab_topk.json and .md.
 """
 
 from __future__ import annotations
@@ -35,6 +35,15 @@ flags.DEFINE_string("out_dir", "", "results directory (default experiments/resul
 COLUMNS = ["method", "budget", "chunk", "tokens_per_round", "tokens_per_s", "vs_chain", "vs_lax", "identical"]
 
 
+def chunked(chunk: int):
+    """The environment's kernel selection with top-k chunk length `chunk`."""
+    import dataclasses
+
+    from pallas_kernels.dispatch import Kernels
+
+    return dataclasses.replace(Kernels.from_env(), topk_chunk=chunk)
+
+
 class _ChunkedGen:
     """`gen.generate` with the top-k chunk length as one more keyword (what `time_interleaved` varies)."""
 
@@ -42,15 +51,12 @@ class _ChunkedGen:
         self.gen = gen
 
     def generate(self, batch, chunk: int, **kw):
-        from ddtree_jax import topk
-
-        with topk.chunk_length(chunk):
-            return self.gen.generate(batch, **kw)
+        return self.gen.generate(batch, kernels=chunked(chunk), **kw)
 
 
 def main(_) -> None:
-    from ddtree_jax import topk
     from ddtree_jax.api import Generator
+    from pallas_kernels.dispatch import Kernels
 
     chunks, budgets = [int(c) for c in FLAGS.chunks], [int(b) for b in FLAGS.budgets]
     if any(c < 0 for c in chunks) or any(b < 1 for b in budgets):
@@ -59,20 +65,20 @@ def main(_) -> None:
     base, source = workload.load_prompts(gen, FLAGS.prompts, FLAGS.num_prompts)
     batches = [[p] for p in workload.at_length(base, FLAGS.context, FLAGS.num_prompts)]
     depth = gen.drafter.config.num_draft
-    settings = [("ar", 1, topk.CHUNK), ("dflash", depth, topk.CHUNK)]
+    default = Kernels.from_env().topk_chunk
+    settings = [("ar", 1, default), ("dflash", depth, default)]
     settings += [("ddtree", b, c) for b in budgets for c in chunks]
     kws = [
         {"method": m, "budget": b, "chunk": c, "max_new_tokens": FLAGS.max_new_tokens, "ignore_eos": True}
         for m, b, c in settings
     ]
-    for c in dict.fromkeys(chunk for *_, chunk in settings):
-        with topk.chunk_length(c):
-            specs = [
-                gen.spec_for(batches[0], temperature=0.0, **{k: v for k, v in kw.items() if k != "chunk"})
-                for kw in kws
-                if kw["chunk"] == c
-            ]
-            gen.precompile(specs, FLAGS.compile_workers)
+    specs = [
+        gen.spec_for(
+            batches[0], temperature=0.0, kernels=chunked(kw["chunk"]), **{k: v for k, v in kw.items() if k != "chunk"}
+        )
+        for kw in kws
+    ]
+    gen.precompile(specs, FLAGS.compile_workers)
     bar = Progress(len(kws) + FLAGS.repeats, "ab_topk")
     timed = common.time_interleaved(_ChunkedGen(gen), batches, kws, FLAGS.repeats, bar.step)
     bar.done()

@@ -47,6 +47,7 @@ from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, load_dflash
 from ddtree_jax.errors import run_app
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import DenseMLP, KimiForCausalLM, MoE
+from ddtree_jax.sampling import request_keys
 from experiments import common
 
 FLAGS = flags.FLAGS
@@ -265,7 +266,7 @@ def measure(target: KimiForCausalLM, drafter: DFlashDrafter, budgets: list[int])
         def start(ts, ds, prompts, spec=spec):
             t, dr = nnx.merge(tg, ts), nnx.merge(dg, ds)
             plen = jnp.full((1,), FLAGS.prompt_len, jnp.int32)
-            return engine.prefill(t, dr if spec.method != "ar" else None, spec, prompts, plen, jax.random.key(0))
+            return engine.prefill(t, dr if spec.method != "ar" else None, spec, prompts, plen, request_keys(0, [0]))
 
         def round_(ts, ds, s, spec=spec):
             t, dr = nnx.merge(tg, ts), nnx.merge(dg, ds)

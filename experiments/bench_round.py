@@ -43,6 +43,7 @@ from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, load_dflash
 from ddtree_jax.errors import UserError, run_app
 from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache  # noqa: E402
 from ddtree_jax.models.kimi import KimiForCausalLM  # noqa: E402
+from ddtree_jax.sampling import request_keys  # noqa: E402
 from experiments import common, round_pieces  # noqa: E402
 from experiments.progress import Progress  # noqa: E402
 
@@ -244,7 +245,7 @@ def synthetic_state(target, drafter, spec: engine.GenSpec, context: int) -> engi
         ctx_len=zeros + context - pend,
         pend_feats=None,
         pend_count=zeros + pend,
-        key=jax.random.key(2),
+        keys=request_keys(2, range(b)),
         rounds=zeros,
         accept_hist=jnp.zeros((b, d + 2), jnp.int32),
         bad_round=zeros - 1,

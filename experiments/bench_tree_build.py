@@ -4,7 +4,7 @@
 
 Part 0 (`--warps`, bench_tree_warps.json): the kernel alone at each num_warps (what `default_warps` picks from).
 With `--topk_vocabs` (bench_topk.json): exact top-k variants of the draft distribution: lax.top_k, a full sort, and
-`ddtree_jax.topk.top_k` at several chunk lengths (the engine's is `topk.CHUNK`).
+`ddtree_jax.topk.top_k` at several chunk lengths (the engine's default is `dispatch.TOPK_CHUNK`).
 Part 1, `build`: top-K + tree + ancestor mask from random draft logits `[B, D, V]` (the shipped drafter's D and
 vocabulary), each implementation timed as --steps dependent builds inside one program (so dispatch is not counted),
 plus whether the two return identical trees and masks. Part 2, `e2e`: generation on the shipped pair at
@@ -30,6 +30,7 @@ from ddtree_jax import topk
 from ddtree_jax.errors import run_app
 from experiments import common, workload
 from experiments.progress import Progress
+from pallas_kernels.dispatch import TOPK_CHUNK
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", str(workload.SHIPPED_TARGET), "target checkpoint directory")
@@ -51,10 +52,11 @@ flags.DEFINE_string("out_dir", "", "results directory (default experiments/resul
 IMPLS = ("pallas", "reference")  # record columns; "pallas" runs as --kernel_mode
 
 
-def _using(impl: str):
-    from pallas_kernels import dispatch
+def _kernels(impl: str):
+    """The kernel selection that runs the tree build as `impl` (the rest from the environment)."""
+    from pallas_kernels.dispatch import Kernels
 
-    return dispatch.use_kernels(FLAGS.kernel_mode if impl == "pallas" else impl, op="build_tree")
+    return Kernels.from_env().with_mode(FLAGS.kernel_mode if impl == "pallas" else impl, op="build_tree")
 
 
 COLUMNS = ["part", "method", "budget", "batch", "pallas", "reference", "speedup", "identical", "unit"]
@@ -83,7 +85,7 @@ def _top_k_sorted(lp: jax.Array, k: int):
 
 
 TOPK = {"lax.top_k": jax.lax.top_k, "sort": _top_k_sorted} | {
-    f"chunk{c}{'*' if c == topk.CHUNK else ''}": functools.partial(topk.top_k, chunk=c) for c in (256, 512, 1024, 2048)
+    f"chunk{c}{'*' if c == TOPK_CHUNK else ''}": functools.partial(topk.top_k, chunk=c) for c in (256, 512, 1024, 2048)
 }
 
 
@@ -122,13 +124,12 @@ def build_records(gen, meta: dict) -> list[dict]:
     for budget, batch in cells:
         bar.step(f"b={budget} B={batch}")
         logits, root = _inputs(batch, d, vocab, budget * 1000 + batch)
-        spec = engine.GenSpec("ddtree", batch, 1, 1, budget=budget)
         us, outs = {}, {}
         for impl in IMPLS:
-            with _using(impl):
-                fn = lambda lg, r, spec=spec: engine.build_trees(spec, gen.drafter, lg, r)
-                outs[impl] = jax.block_until_ready(jax.jit(fn)(logits, root))
-                us[impl] = per_call_us(fn, logits, root, FLAGS.steps)
+            spec = engine.GenSpec("ddtree", batch, 1, 1, budget=budget, kernels=_kernels(impl))
+            fn = lambda lg, r, spec=spec: engine.build_trees(spec, gen.drafter, lg, r)
+            outs[impl] = jax.block_until_ready(jax.jit(fn)(logits, root))
+            us[impl] = per_call_us(fn, logits, root, FLAGS.steps)
         same = all(np.array_equal(a, b) for a, b in zip(*(jax.tree.leaves(outs[i]) for i in IMPLS), strict=True))
         records.append(_record("build", "ddtree", budget, batch, us, same, "us/build", meta))
     bar.done()
@@ -162,23 +163,22 @@ def e2e_records(gen, meta: dict) -> list[dict]:
     base, _ = workload.load_prompts(gen, FLAGS.prompts, 1)
     prompts = workload.at_length(base, FLAGS.context, 1)
     depth = gen.drafter.config.num_draft
-    kw = lambda m, b: {
+    kw = lambda impl, m, b: {
         "method": m,
         "budget": b,
         "max_new_tokens": FLAGS.max_new_tokens,
         "ignore_eos": True,
         "temperature": 0.0,
+        "kernels": _kernels(impl),
     }
     runs = [("ddtree", int(b)) for b in FLAGS.e2e_budgets]
     for impl in IMPLS:
         extra = [("ar", 1), ("dflash", depth)] if impl == "pallas" else []
-        with _using(impl):
-            gen.precompile([gen.spec_for(prompts, **kw(m, b)) for m, b in runs + extra], FLAGS.compile_workers)
+        gen.precompile([gen.spec_for(prompts, **kw(impl, m, b)) for m, b in runs + extra], FLAGS.compile_workers)
 
     def timed(impl, m, b):
-        with _using(impl):
-            first = gen.generate(prompts, **kw(m, b))
-            walls = [gen.generate(prompts, **kw(m, b)).wall_s for _ in range(FLAGS.repeats)]
+        first = gen.generate(prompts, **kw(impl, m, b))
+        walls = [gen.generate(prompts, **kw(impl, m, b)).wall_s for _ in range(FLAGS.repeats)]
         return first, sum(len(t) for t in first.tokens) / statistics.median(walls)
 
     records = []

@@ -20,6 +20,7 @@ import jax
 from flax import nnx
 
 from ddtree_jax import engine
+from ddtree_jax.sampling import request_keys
 
 PIECES = ("draft", "tree", "verify", "accept")
 
@@ -49,7 +50,7 @@ def time_round(
     Each jitted function returns everything its piece produces, so nothing is dead code to XLA.
     """
     tg, ts = nnx.split(target)
-    rest, key = _no_caches(s), jax.random.key(0)
+    rest, keys = _no_caches(s), request_keys(0, range(spec.batch))
     if spec.method == "ar":
 
         @functools.partial(jax.jit, donate_argnums=2)
@@ -75,8 +76,8 @@ def time_round(
 
     @functools.partial(jax.jit, donate_argnums=3)
     @merged
-    def verify(t, d, s, cache, tree, mask, key):
-        fwd, post, finite = engine.verify(t, d, spec, s._replace(cache=cache), tree, mask, key)
+    def verify(t, d, s, cache, tree, mask, keys):
+        fwd, post, finite = engine.verify(t, d, spec, s._replace(cache=cache), tree, mask, keys)
         return fwd.cache, fwd.features, post, finite
 
     @functools.partial(jax.jit, donate_argnums=2)
@@ -96,7 +97,7 @@ def time_round(
         times["draft"], (logits, dcache) = timed(lambda c: draft(ts, ds, rest, c[1]), (None, s.dcache))
         times["tree"], (tree, mask) = timed(lambda _: build(ts, ds, logits, s.root), None)
         times["verify"], (cache, features, post, finite) = timed(
-            lambda c: verify(ts, ds, rest, c[0], tree, mask, key), (s.cache,)
+            lambda c: verify(ts, ds, rest, c[0], tree, mask, keys), (s.cache,)
         )
         times["accept"], out = timed(
             lambda st: accept(rest, tree, mask, st.cache, features, post, finite), s._replace(cache=cache)

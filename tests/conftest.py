@@ -9,7 +9,6 @@ import jax
 import pytest
 
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, YarnConfig
-from experiments.common import RELEASED_CONFIGS
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -66,6 +65,8 @@ def tiny_cfg() -> KimiConfig:
 @pytest.fixture
 def spec_configs() -> Path:
     """The released Kimi configs kept in the repository (experiments/configs)."""
+    from experiments.common import RELEASED_CONFIGS  # here: scripts that import conftest run without the repo root
+
     return RELEASED_CONFIGS
 
 

@@ -22,6 +22,8 @@ from ddtree_jax import tree as ddtree
 from ddtree_jax.api import Generator
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.sampling import request_keys
+from pallas_kernels.dispatch import TOPK_CHUNK
 
 CFG = tiny_kimi_config(vocab_size=96)  # 96: divisible by every tensor size tested
 BATCH, PROMPT, NEW, BUDGET = 2, 6, 16, 8
@@ -50,13 +52,13 @@ def generate_ar(target: KimiForCausalLM, prompts: np.ndarray, plen: np.ndarray) 
     """The single-device reference: greedy AR, no mesh."""
     spec = engine.GenSpec("ar", BATCH, PROMPT, NEW)
     program, ts, ds = engine.compile_generate(target, None, spec)
-    out = program(ts, ds, jnp.asarray(prompts), jnp.asarray(plen), jax.random.key(0))
+    out = program(ts, ds, jnp.asarray(prompts), jnp.asarray(plen), request_keys(0, range(BATCH)))
     return [np.asarray(out.tokens[b, : out.n_out[b]]).tolist() for b in range(spec.batch)]
 
 
 def vocab_sharded_trees(mesh, vocab: int) -> dict:
     """Trees from random logits `[B, D, vocab]` (ties included) built from vocab-sharded top-K vs full logits; a vocab
-    whose shards are longer than `topk.CHUNK` takes the chunk-wise top-k inside each shard."""
+    whose shards are longer than `TOPK_CHUNK` takes the chunk-wise top-k inside each shard."""
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((4, 7, vocab)).astype(np.float32)
     logits[0, :, ::3] = 1.5  # many exactly tied tokens across shards
@@ -67,7 +69,7 @@ def vocab_sharded_trees(mesh, vocab: int) -> dict:
 
     @jax.jit
     def sharded(lg):
-        lp, ids = sharding.topk_logsoftmax(lg, 12)
+        lp, ids = sharding.topk_logsoftmax(lg, 12, TOPK_CHUNK)
         return jax.vmap(lambda a, b, r: ddtree.build_tree_from_topk(a, b, r, 12))(lp, ids, root)
 
     with sharding.use_mesh(mesh):

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import dispatch, mla_mosaic
+from pallas_kernels.dispatch import Kernels
 from pallas_kernels.mla_attention import mla_attention_pallas
 from pallas_kernels.mla_mosaic import MosaicMLAConfig, mla_attention_mosaic
 
-
-@pytest.fixture(autouse=True)
-def restore_backend():
-    yield
-    dispatch.set_mla_backend("auto")
-    dispatch.set_mla_tiling("")
+AUTO, TRITON, MOSAIC = Kernels(), Kernels(mla_kernel="triton"), Kernels(mla_kernel="mosaic")
 
 
 def shapes(dk: int, dtype=jnp.bfloat16, nodes: int = 3, heads: int = 8):
@@ -31,75 +23,75 @@ def test_auto_backend_takes_mosaic_from_64_rows_on_hopper_only(monkeypatch):
     few = [shapes(576, nodes=n, heads=h) for n, h in ((1, 8), (9, 7))]  # 8-head decode, 63 rows
     for hopper, want_many in ((True, mla_attention_mosaic), (False, mla_attention_pallas)):
         monkeypatch.setattr(dispatch, "_is_hopper", lambda h=hopper: h)
-        assert all(dispatch.mla_kernel_for(*qc, 512) is want_many for qc in many)
-        assert all(dispatch.mla_kernel_for(*qc, 512) is mla_attention_pallas for qc in few)
-        assert dispatch.mla_kernel_for(*shapes(576, jnp.float32, 17, 64), 512) is mla_attention_pallas
+        assert all(dispatch.mla_kernel_for(AUTO, *qc, 512) is want_many for qc in many)
+        assert all(dispatch.mla_kernel_for(AUTO, *qc, 512) is mla_attention_pallas for qc in few)
+        assert dispatch.mla_kernel_for(AUTO, *shapes(576, jnp.float32, 17, 64), 512) is mla_attention_pallas
     assert not dispatch._is_hopper()  # this CPU
 
 
 def test_mla_backend_selects_the_kernel_the_shapes_allow():
     q, cache = shapes(576)
-    dispatch.set_mla_backend("triton")
-    assert dispatch.mla_kernel_for(q, cache, 512) is mla_attention_pallas
-    dispatch.set_mla_backend("mosaic")
-    assert dispatch.mla_kernel_for(q, cache, 512) is mla_attention_mosaic
-    assert dispatch.mla_kernel_for(*shapes(160), 128) is mla_attention_pallas  # 64 does not divide Dk
-    assert dispatch.mla_kernel_for(q, cache, 448) is mla_attention_pallas  # 128 does not divide value_dim
-    assert dispatch.mla_kernel_for(*shapes(576, jnp.float32), 512) is mla_attention_pallas
+    assert dispatch.mla_kernel_for(TRITON, q, cache, 512) is mla_attention_pallas
+    assert dispatch.mla_kernel_for(MOSAIC, q, cache, 512) is mla_attention_mosaic
+    assert dispatch.mla_kernel_for(MOSAIC, *shapes(160), 128) is mla_attention_pallas  # 64 does not divide Dk
+    assert dispatch.mla_kernel_for(MOSAIC, q, cache, 448) is mla_attention_pallas  # 128 does not divide value_dim
+    assert dispatch.mla_kernel_for(MOSAIC, *shapes(576, jnp.float32), 512) is mla_attention_pallas
 
 
 def test_mla_tiling_reaches_the_mosaic_kernel(monkeypatch):
-    """DDTREE_MLA_TILING / set_mla_tiling: the Mosaic kernel runs with that tiling (its split count still chosen
-    per call); '' restores the default kernel entry point itself."""
+    """Kernels.mla_tiling: the Mosaic kernel runs with that tiling (its split count still chosen per call); the
+    default tiling is the default kernel entry point itself."""
     q, cache = shapes(576)
-    dispatch.set_mla_backend("mosaic")
-    dispatch.set_mla_tiling("schedule=persistent,meetings=1")
-    kernel = dispatch.mla_kernel_for(q, cache, 512)
+    tiled = Kernels(mla_kernel="mosaic", mla_tiling=dispatch.tiling_from_text("schedule=persistent,meetings=1"))
+    kernel = dispatch.mla_kernel_for(tiled, q, cache, 512)
     assert kernel.func is mla_attention_mosaic
     assert kernel.keywords["tiling"] == MosaicMLAConfig(schedule="persistent", meetings=1)
     seen = []
     monkeypatch.setattr(mla_mosaic, "mla_attention_mosaic_split", lambda *a, config, **k: seen.append(config))
     kernel(q, cache, jnp.zeros((2,), jnp.int32), jnp.ones((2, 3, 3), bool), 0.1)
     assert seen[0].schedule == "persistent" and seen[0].meetings == 1 and seen[0].num_splits >= 2
-    assert (
-        dispatch.set_mla_tiling("") == MosaicMLAConfig()
-        and dispatch.mla_kernel_for(q, cache, 512) is mla_attention_mosaic
-    )
+    assert Kernels(mla_kernel="mosaic", mla_tiling=MosaicMLAConfig()) == MOSAIC  # one value for the default
+    assert dispatch.mla_kernel_for(MOSAIC, q, cache, 512) is mla_attention_mosaic
 
 
 def test_reference_mode_never_calls_a_kernel(monkeypatch):
     monkeypatch.setattr(dispatch, "mla_kernel_for", lambda *a: pytest.fail("kernel chosen in reference mode"))
     q, cache = shapes(576)
-    with dispatch.use_kernels("reference"):
-        out = dispatch.mla_attention(q, cache, jnp.zeros((2,), jnp.int32), jnp.ones((2, 3, 3), bool), 0.1)
+    reference = Kernels().with_mode("reference")
+    out = dispatch.mla_attention(reference, q, cache, jnp.zeros((2,), jnp.int32), jnp.ones((2, 3, 3), bool), 0.1)
     assert out.shape == (2, 3, 8, 512)
 
 
 @pytest.mark.parametrize(
-    "var,value", [("DDTREE_KERNELS", "fast"), ("DDTREE_MLA_KERNEL", "cutlass"), ("DDTREE_MLA_TILING", "schedule=waves")]
+    "var,value",
+    [
+        ("DDTREE_KERNELS", "fast"),
+        ("DDTREE_MLA_KERNEL", "cutlass"),
+        ("DDTREE_MLA_TILING", "schedule=waves"),
+        ("DDTREE_TOPK_CHUNK", "-1"),
+    ],
 )
 def test_unknown_environment_values_fail_naming_them(var, value):
-    env = {**os.environ, var: value, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", "import pallas_kernels.dispatch"], env=env, capture_output=True, text=True
-    )
-    assert proc.returncode != 0 and repr(value) in proc.stderr.splitlines()[-1]
     with pytest.raises(ValueError, match=value):
-        setters = {"DDTREE_KERNELS": dispatch.set_kernel_mode, "DDTREE_MLA_KERNEL": dispatch.set_mla_backend}
-        setters.get(var, dispatch.set_mla_tiling)(value)
+        Kernels.from_env({var: value})
 
 
-def test_per_op_override_applies_to_that_op_only_and_is_restored():
-    with dispatch.use_kernels("interpret", op="build_tree"):
-        assert dispatch._choose("build_tree", True) == "interpret"
-        assert dispatch._choose("moe_swiglu", True) == "reference"  # auto on a CPU
-    assert dispatch._choose("build_tree", True) == "reference"
+def test_environment_chooses_the_default_selection():
+    env = {"DDTREE_KERNELS": "reference", "DDTREE_MLA_KERNEL": "triton", "DDTREE_TOPK_CHUNK": "0"}
+    assert Kernels.from_env(env) == Kernels("reference", "reference", "reference", "triton", None, 0)
+    assert Kernels.from_env({}) == Kernels() and hash(Kernels.from_env({})) == hash(Kernels())
+
+
+def test_per_op_mode_applies_to_that_op_only():
+    kernels = Kernels().with_mode("interpret", op="build_tree")
+    assert dispatch._choose("build_tree", kernels.build_tree, True) == "interpret"
+    assert dispatch._choose("moe_swiglu", kernels.moe_swiglu, True) == "reference"  # auto on a CPU
     with pytest.raises(ValueError, match="build_tre"):
-        with dispatch.use_kernels("pallas", op="build_tre"):
-            pass
+        Kernels().with_mode("pallas", op="build_tre")
+    with pytest.raises(ValueError, match="fast"):
+        Kernels().with_mode("fast")
     with pytest.raises(RuntimeError, match="not available"):
-        with dispatch.use_kernels("interpret", op="moe_swiglu"):
-            dispatch._choose("moe_swiglu", False)
+        dispatch._choose("moe_swiglu", "interpret", False)
 
 
 @pytest.mark.parametrize("dtype,kernel_runs", [(jnp.bfloat16, True), (jnp.float32, False)])
@@ -117,14 +109,14 @@ def test_gpu_auto_runs_the_moe_kernel_only_on_bf16_and_logs_the_slow_path(monkey
     # E=2 experts, H=64, I=32, group 32: gate_up [E, 2I, H] / [E, H/G, 2I], down [E, H, I] / [E, I/G, H]
     gu_q, gu_s = jnp.ones((2, 64, 64), jnp.int4), jnp.full((2, 2, 64), 0.01, jnp.bfloat16)
     d_q, d_s = jnp.ones((2, 64, 32), jnp.int4), jnp.full((2, 1, 64), 0.01, jnp.bfloat16)
-    out = dispatch.moe_swiglu(x, ids, w, gu_q, gu_s, d_q, d_s)
+    out = dispatch.moe_swiglu(Kernels(), x, ids, w, gu_q, gu_s, d_q, d_s)
     assert (calls == [dtype]) == kernel_runs
     if not kernel_runs:
         assert out.shape == (3, 64) and any("SLOW PATH" in m and "float32" in m for m in logged)
 
 
 def test_interpret_mode_reaches_the_mosaic_kernel(monkeypatch):
-    """DDTREE_KERNELS=interpret with the Mosaic backend runs that kernel in GPU interpret mode (the interpreter is
+    """Interpret mode with the Mosaic backend runs that kernel in GPU interpret mode (the interpreter is
     patched on first use, `mosaic_interpret.install`) and matches the reference on a random tree."""
     import numpy as np
 
@@ -138,8 +130,7 @@ def test_interpret_mode_reaches_the_mosaic_kernel(monkeypatch):
     rng = np.random.default_rng()
     q, cache, prefix = inputs(rng, 2, 5, 4, 96, [0, int(rng.integers(1, 91))])
     mask = jnp.asarray(random_parent_mask(rng, 2, 5))
-    dispatch.set_mla_backend("mosaic")
-    with dispatch.use_kernels("interpret", op="mla_attention"):
-        out = dispatch.mla_attention(q, cache, prefix, mask, SCALE, DV)
+    kernels = MOSAIC.with_mode("interpret", op="mla_attention")
+    out = dispatch.mla_attention(kernels, q, cache, prefix, mask, SCALE, DV)
     assert calls == [{"interpret": True}]
     assert rel_err(out, reference(q, cache, prefix, mask)) < 1e-2

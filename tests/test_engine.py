@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from ddtree_jax import tree as ddtree
 from ddtree_jax.api import Generator
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.sampling import request_keys
 
 
 def make_pair(seed: int, vocab: int = 97, block: int = 4):
@@ -25,7 +28,7 @@ def make_pair(seed: int, vocab: int = 97, block: int = 4):
 
 def run(target, drafter, spec, prompts, plen, key=0):
     program, ts, ds = engine.compile_generate(target, drafter, spec)
-    out = program(ts, ds, jnp.asarray(prompts), jnp.asarray(plen), jax.random.key(key))
+    out = program(ts, ds, jnp.asarray(prompts), jnp.asarray(plen), request_keys(key, range(spec.batch)))
     return [np.asarray(out.tokens[b, : out.n_out[b]]).tolist() for b in range(spec.batch)], out
 
 
@@ -109,7 +112,7 @@ def run_rounds(target, drafter, spec, prompts, plen, rounds):
     @jax.jit
     def f(ts, ds, prompts, plen):
         t, d = nnx.merge(tg, ts), nnx.merge(dg, ds)
-        s = engine.prefill(t, d, spec, prompts, plen, jax.random.key(0))
+        s = engine.prefill(t, d, spec, prompts, plen, request_keys(0, range(spec.batch)))
         return jax.lax.fori_loop(0, rounds, lambda i, st: engine.spec_round(t, d, spec, st), s)
 
     return f(ts, ds, jnp.asarray(prompts), jnp.asarray(plen))
@@ -161,10 +164,9 @@ def test_loop_runs_with_host_transfers_disallowed():
     target, drafter = make_pair(3)
     spec = engine.GenSpec("ddtree", 2, 5, 12, budget=8)
     program, ts, ds = engine.compile_generate(target, drafter, spec)
-    args = jax.device_put((np.ones((2, 5), np.int32), np.array([5, 3], np.int32)))
-    key = jax.random.key(1)
+    args = jax.device_put((np.ones((2, 5), np.int32), np.array([5, 3], np.int32), request_keys(1, [0, 1])))
     with jax.transfer_guard("disallow"):
-        out = program(ts, ds, *args, key)
+        out = program(ts, ds, *args)
         out.tokens.block_until_ready()
     assert int(out.n_out[0]) == 12
 
@@ -311,7 +313,7 @@ def test_chunked_prefill_equals_single_pass():
     dg, ds = nnx.split(drafter)
 
     def prefill(ts, ds, p, n, spec):
-        return engine.prefill(nnx.merge(tg, ts), nnx.merge(dg, ds), spec, p, n, jax.random.key(0))
+        return engine.prefill(nnx.merge(tg, ts), nnx.merge(dg, ds), spec, p, n, request_keys(0, range(3)))
 
     states = [
         jax.jit(prefill, static_argnums=4)(ts, ds, jnp.asarray(prompts), jnp.asarray(plen), spec)
@@ -330,19 +332,46 @@ def test_chunked_prefill_equals_single_pass():
     assert got[0] == got[1]
 
 
-def test_generator_keeps_one_program_per_kernel_selection(monkeypatch):
-    """A program keeps the kernels it was traced with: changing the selection compiles anew instead of reusing it."""
-    from pallas_kernels import dispatch
+@pytest.mark.parametrize(
+    "changes,env",
+    [
+        ({"moe_swiglu": "reference"}, None),
+        ({"mla_attention": "reference"}, None),
+        ({"build_tree": "interpret"}, None),
+        (dict.fromkeys(("moe_swiglu", "mla_attention", "build_tree"), "reference"), ("DDTREE_KERNELS", "reference")),
+        ({"mla_kernel": "mosaic"}, ("DDTREE_MLA_KERNEL", "mosaic")),
+        ({"mla_tiling": "num_splits=3"}, ("DDTREE_MLA_TILING", "num_splits=3")),
+        ({"topk_chunk": 16}, ("DDTREE_TOPK_CHUNK", "16")),
+    ],
+)
+def test_changing_a_kernel_setting_between_calls_compiles_a_new_program(monkeypatch, changes, env):
+    """Each setting of the kernel selection, changed between two `generate` calls (explicitly, or through its
+    environment variable, which chooses the default), compiles a new program carrying it; changing it back reuses
+    the first program."""
+    from pallas_kernels.dispatch import Kernels, tiling_from_text
 
     target, drafter = make_pair(int(np.random.default_rng().integers(1 << 20)), vocab=13)
     gen = Generator(target, drafter, tokenizer=None)
-    built = []
-    monkeypatch.setattr(engine, "compile_generate", lambda *a: built.append(dispatch.state()) or ("p", None, None))
-    spec = engine.GenSpec("ddtree", 1, 4, 4, budget=4)
-    for mode in ("reference", "interpret", "reference"):
-        with dispatch.use_kernels(mode, op="build_tree"):
-            assert gen.compiled(spec)[0][0] == "p"
-    assert [dict(s[1])["build_tree"] for s in built] == ["reference", "interpret"]
+    built: list[engine.GenSpec] = []
+    real = engine.compile_generate
+    monkeypatch.setattr(engine, "compile_generate", lambda t, d, spec: built.append(spec) or real(t, d, spec))
+    for var in ("DDTREE_KERNELS", "DDTREE_MLA_KERNEL", "DDTREE_MLA_TILING", "DDTREE_TOPK_CHUNK"):
+        monkeypatch.delenv(var, raising=False)
+    kw = dict(method="ddtree", budget=4, max_new_tokens=3)
+    tiling = {"mla_tiling": tiling_from_text(changes["mla_tiling"])} if "mla_tiling" in changes else {}
+    want = dataclasses.replace(Kernels(), **changes | tiling)
+    first = gen.generate([[1, 2, 3]], **kw)
+    if env is None:
+        changed = gen.generate([[1, 2, 3]], kernels=want, **kw)
+    else:  # the environment chooses the default selection, read at each call
+        monkeypatch.setenv(*env)
+        changed = gen.generate([[1, 2, 3]], **kw)
+        monkeypatch.delenv(env[0])
+    assert [s.kernels for s in built] == [Kernels(), want] and changed.spec.kernels == want
+    assert changed.compile_s > 0 and changed.tokens == first.tokens
+    again, explicit = gen.generate([[1, 2, 3]], **kw), gen.generate([[1, 2, 3]], kernels=want, **kw)
+    assert (again.spec, explicit.spec) == (first.spec, changed.spec) and again.compile_s == explicit.compile_s == 0
+    assert len(built) == 2
 
 
 def test_float32_model_compiles_with_full_precision_matmuls():

@@ -15,6 +15,7 @@ import pytest
 from absl import flags
 
 from ddtree_jax import generate
+from pallas_kernels.dispatch import Kernels
 
 VOCAB = 512  # 256 byte ranks + 256 Kimi specials
 CONTEXT = 64
@@ -295,9 +296,12 @@ def test_batches_in_input_order_with_resume(
         "temperature": 0.7,
         "max_new_tokens": 5,
         "seed": 3,
+        "request_indices": [0, 2],  # positions in the prompts file: they seed each request's sampling
         "ignore_eos": True,
         "pad_batch_to": 2,  # every batch runs at min(--batch_size, prompts), so the last reuses its program
+        "kernels": Kernels(),
     }
+    assert [g["request_indices"] for g in gens] == [[0, 2], [3, 4], [5]]
     records = [json.loads(line) for line in cli.output.read_text().splitlines()]
     assert [r["id"] for r in records] == ["p0", "p1", "p2", "p3", "p4", "t"]
     assert records[1] == {"id": "p1", "token_ids": [7]}  # kept from the earlier run

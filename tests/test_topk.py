@@ -49,26 +49,4 @@ def test_chunked_top_k_is_exact(shape: tuple[int, ...], k: int, chunk: int) -> N
 
 def test_k_longer_than_the_row_is_an_error() -> None:
     with pytest.raises(ValueError, match="exceeds the row length"):
-        topk.top_k(jnp.zeros((2, 5)), 6)
-
-
-def test_chunk_length_is_part_of_the_program_key() -> None:
-    """`api.Generator` compiles one program per top-k chunk length (an A/B of the two forms must time two programs)
-    and reuses it when the length comes back."""
-    from test_engine import make_pair
-
-    from ddtree_jax.api import Generator
-
-    gen, default = Generator(*make_pair(int(np.random.default_rng().integers(1 << 20)))), topk.CHUNK
-    spec = gen.spec(1, 6, method="ddtree", budget=4, temperature=0.0, max_new_tokens=4, ignore_eos=True)
-    with topk.chunk_length(0):
-        plain, _ = gen.compiled(spec)
-    with topk.chunk_length(16):
-        chunked, seconds = gen.compiled(spec)
-    with topk.chunk_length(0):
-        again, seconds_again = gen.compiled(spec)
-    assert chunked is not plain and seconds > 0
-    assert again is plain and seconds_again == 0.0
-    assert topk.CHUNK == default  # restored
-    with pytest.raises(ValueError, match="chunk length"), topk.chunk_length(-1):
-        pass
+        topk.top_k(jnp.zeros((2, 5)), 6, 512)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from test_tree import assert_matches_heap, heap_from_topk, logits_batch
 
 from ddtree_jax import engine
 from ddtree_jax.tree import Tree, ancestor_mask, build_tree_from_topk
-from pallas_kernels import dispatch, tree_build
+from pallas_kernels import tree_build
 
 _reference = jax.jit(
     jax.vmap(
@@ -88,7 +90,7 @@ def test_engine_on_the_kernel_equals_autoregressive(monkeypatch):
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(tree_build, "build_tree_pallas", counted)
-    with dispatch.use_kernels("interpret", op="build_tree"):
-        got, out = run(target, drafter, spec, prompts, plen)
+    kernels = dataclasses.replace(spec.kernels, build_tree="interpret")
+    got, out = run(target, drafter, dataclasses.replace(spec, kernels=kernels), prompts, plen)
     assert calls == [(8, {"interpret": True})] and got == ar == plain
     np.testing.assert_array_equal(out.accept_hist, plain_out.accept_hist)

@@ -19,6 +19,7 @@ from flax import nnx
 from ddtree_jax import sharding
 from ddtree_jax.config import KimiConfig
 from ddtree_jax.models.layers import causal_mask, rms_norm, rope_interleaved, swiglu, yarn_inv_freq
+from pallas_kernels.dispatch import Kernels
 
 LatentCache = list[jax.Array]  # one `[B, L, latent_dim]` array per layer: [normed c_kv (512) | roped k_pe (64)]
 
@@ -79,13 +80,14 @@ class MLA(nnx.Module):
         cache: jax.Array,
         cache_len: jax.Array,
         block_mask: jax.Array,
+        kernels: Kernels,
         *,
         naive: bool = False,
     ) -> tuple[jax.Array, jax.Array]:
         """x `[B, N, H]`, cache `[B, L, 576]` -> (y `[B, N, H]`, cache with the N new entries written).
 
         naive=True computes attention in the per-head (prefill) form over the new block only; it requires an
-        empty prefix (cache_len == 0), which the caller guarantees.
+        empty prefix (cache_len == 0), which the caller guarantees. `kernels` selects the attention kernel.
         """
         c = self.cfg
         q_nope, q_pe = self.queries(x, positions)
@@ -96,7 +98,9 @@ class MLA(nnx.Module):
         else:
             ql = jnp.einsum("bnhp,hpc->bnhc", q_nope, self.w_uk[...])
             q_abs = jnp.concatenate([ql, q_pe], axis=-1)
-            o_lat = sharding.mla_attention(q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank)
+            o_lat = sharding.mla_attention(
+                kernels, q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank
+            )
             o = jnp.einsum("bnhc,hvc->bnhv", o_lat, self.w_uv[...], preferred_element_type=jnp.float32)
         o = o.astype(x.dtype).reshape(*x.shape[:2], -1)
         return jnp.dot(o, self.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype), cache
@@ -143,8 +147,9 @@ class Int4Experts(nnx.Module):
         self.down_q = q((n, hidden, inner))
         self.down_s = s((n, inner // group, hidden), inner)
 
-    def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, kernels: Kernels) -> jax.Array:
         return sharding.moe_swiglu(  # expert-parallel under an active mesh, else dispatch.moe_swiglu
+            kernels,
             x,
             topk_ids,
             topk_weights,
@@ -166,7 +171,8 @@ class DenseExperts(nnx.Module):
         self.gate_up = _normal(rngs, (n, hidden, 2 * inner), dtype)
         self.down = _normal(rngs, (n, inner, hidden), dtype)
 
-    def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, kernels: Kernels) -> jax.Array:
+        """As `Int4Experts`; plain JAX whatever `kernels` selects."""
         n, _, two_i = self.gate_up.shape
         combine = jnp.zeros((x.shape[0], n), jnp.float32)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], topk_ids].add(topk_weights.astype(jnp.float32))
@@ -212,7 +218,7 @@ class MoE(nnx.Module):
             w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
         return ids.astype(jnp.int32), w * c.routed_scaling_factor
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
         ids, w = self.route(xt)
@@ -222,7 +228,7 @@ class MoE(nnx.Module):
                 "expert_load",
                 jnp.sum(jax.nn.one_hot(ids, self.cfg.n_routed_experts), (0, 1)),
             )
-        y = self.experts(xt, ids, w)
+        y = self.experts(xt, ids, w, kernels)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xt)
         return y.reshape(shape)
@@ -239,17 +245,21 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
 
-    def __call__(self, h, positions, cache, cache_len, block_mask, *, naive=False):
+    def __call__(self, h, positions, cache, cache_len, block_mask, kernels: Kernels | None = None, *, naive=False):
+        """One layer; kernels None: `Kernels.from_env()`."""
+        kernels = Kernels.from_env() if kernels is None else kernels
         a, cache = self.self_attn(
             rms_norm(h, self.input_layernorm[...], self.eps),
             positions,
             cache,
             cache_len,
             block_mask,
+            kernels,
             naive=naive,
         )
         h = h + a
-        h = h + self.mlp(rms_norm(h, self.post_attention_layernorm[...], self.eps))
+        x = rms_norm(h, self.post_attention_layernorm[...], self.eps)
+        h = h + (self.mlp(x, kernels) if isinstance(self.mlp, MoE) else self.mlp(x))
         return h, cache
 
 
@@ -301,16 +311,19 @@ class KimiForCausalLM(nnx.Module):
         *,
         feature_layers: tuple[int, ...] = (),
         naive: bool = False,
+        kernels: Kernels | None = None,
     ) -> ForwardOut:
         """tokens/positions `[B, N]`, cache_len `[B]` (slot of the first new token), block_mask `[B, N, N]` bool
-        (None: causal). naive=True: per-head prefill attention, only valid when cache_len == 0."""
+        (None: causal). naive=True: per-head prefill attention, only valid when cache_len == 0. kernels: the
+        kernel selection (None: `Kernels.from_env()`; the engine passes its `GenSpec.kernels`)."""
+        kernels = Kernels.from_env() if kernels is None else kernels
         b, n = tokens.shape
         if block_mask is None:
             block_mask = causal_mask(b, n)
         h = self.embed(tokens)
         by_layer, new_cache = {}, []
         for i, layer in enumerate(self.layers):
-            h, c = layer(h, positions, cache[i], cache_len, block_mask, naive=naive)
+            h, c = layer(h, positions, cache[i], cache_len, block_mask, kernels, naive=naive)
             new_cache.append(c)
             if i in feature_layers:
                 by_layer[i] = h
