@@ -177,9 +177,7 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
 # ---- expert parallelism -----------------------------------------------------------------------
 
 
-def moe_swiglu(
-    kernels: dispatch.Kernels, x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s
-) -> jax.Array:
+def moe_swiglu(kernels: dispatch.Kernels, x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s) -> jax.Array:
     """`dispatch.moe_swiglu` (same arguments and shapes: x `[T, H]`, ids/weights `[T, k]`, experts `[E, ...]`),
     expert-parallel under the active mesh.
 
