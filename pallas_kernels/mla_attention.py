@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.mla_combine import check_combine, merge_splits
+from pallas_kernels.mla_combine import merge_splits
 
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
@@ -43,10 +43,6 @@ class MLAConfig:
     num_splits: int = 0
     num_warps: int = 8
     num_stages: int = 2
-    combine: str = "xla"  # how the splits are merged: mla_combine.COMBINE_METHODS
-
-    def __post_init__(self):
-        check_combine(self.combine, self)
 
 
 def default_config(batch: int, rows: int, max_len: int) -> MLAConfig:
@@ -256,7 +252,7 @@ def mla_attention_split(
         interpret=interpret,
         name="mla_attention",
     )(prefix, qr, latent_cache, *tree, *poisoned)
-    o = merge_splits(o_part, lse, rows, q.dtype, config.combine, interpret=interpret)
+    o = merge_splits(o_part, lse, rows, q.dtype)
     return o.reshape(b, n, heads, value_dim)
 
 
