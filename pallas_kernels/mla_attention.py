@@ -12,7 +12,8 @@ Semantics are those of `reference.mla_attention_reference`. Layout of the work:
 * Each program writes a normalised bf16 partial output and its f32 log-sum-exp; `mla_combine.merge_splits`
   merges the splits (skipped when there is one split).
 
-Lowering: Pallas-Triton (`pl.pallas_call`), not Mosaic GPU; see experiments/notes_mla.md for why.
+Lowering: Pallas-Triton (`pl.pallas_call`), any head dims; the Mosaic GPU kernel (`mla_mosaic.py`) takes the calls
+of 64 query rows or more on Hopper (`dispatch.py`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class MLAConfig:
 def default_config(batch: int, rows: int, max_len: int) -> MLAConfig:
     """Heuristic tiling for `rows = N * Hq` query rows per sequence and a cache of `max_len` slots.
 
-    From the H200 sweeps in experiments/notes_mla.md: 64-row blocks with 8 warps and 2 stages of 64-slot tiles,
-    splits for about 264 programs; 16-row blocks (decode with few heads) with 4 warps and 3 stages of 32-slot tiles
-    (110 KiB of SMEM, so two programs share an SM), splits for at most 264 programs (one wave of two per SM).
+    From H200 tiling sweeps (`experiments.bench_mla --sweep=mixed|decode`): 64-row blocks with 8 warps and 2 stages
+    of 64-slot tiles, splits for about 264 programs; 16-row blocks (decode with few heads) with 4 warps and 3 stages
+    of 32-slot tiles (110 KiB of SMEM, so two programs share an SM), splits for at most 264 programs (one wave of two
+    per SM).
     """
     if rows > 32:
         config = MLAConfig(block_r=64, block_k=64, num_warps=8, num_stages=2)

@@ -26,7 +26,7 @@ SMEM_LIMIT = 232_448  # bytes of shared memory one CTA may use on an H100 / H200
 # Registers per thread the 384-thread CTA launches with: 64K per SM, in steps of 8 (168).
 LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
 # A CTA's fixed cost in KV slots, fitted on an H200 to the 8192-slot verify and decode cells' timings at several
-# split counts (experiments/notes_mla.md).
+# split counts (experiments/notes_mla.md, "The kernels as adopted").
 SPLIT_OVERHEAD_SLOTS = 256
 
 
