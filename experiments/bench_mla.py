@@ -3,10 +3,8 @@
 Measures in the same run the device copy bandwidth and the bf16 matmul rate (the two ceilings), checks each
 kernel on the GPU (rel. err vs an f32 reference; the Triton kernel with poisoned partial outputs), then times the
 reference and each --kernels entry over a matrix of (context, nodes, batch, heads) cells: `triton`
-(`mla_attention.py`), `mosaic` (`mla_mosaic.py`, default tiling: S split between the two compute warpgroups
-by slots, no MMA work repeated), `mosaic_duplicate` (S computed by both, `softmax="duplicate"`), `mosaic_shared`
-(P shared between them, `softmax="shared"`), and `mosaic_k32` / `mosaic_k32_shared` (32-slot KV tiles in a
-4-deep ring, S computed by both / shared). Per cell: time, bytes, FLOPs and the roofline fraction
+(`mla_attention.py`) and `mosaic` (`mla_mosaic.py`, default tiling; also each --mosaic_tiling and
+--mosaic_splits count). Per cell: time, bytes, FLOPs and the roofline fraction
 max(bytes / copy bandwidth, FLOPs / matmul rate) / time; with `--read_floor`, also the time of one XLA kernel that
 only reads the cell's cache slots, timed the same way, and the share of the copy bandwidth it reaches: what reading
 that many bytes costs at that size with no attention math and no merge. A call's time is the difference between
@@ -64,6 +62,7 @@ from experiments.mla_common import (  # noqa: E402
 )
 from pallas_kernels import mla_mosaic  # noqa: E402
 from pallas_kernels.mla_attention import MLAConfig, default_config, mla_attention_split  # noqa: E402
+from pallas_kernels.mla_mosaic_config import MosaicMLAConfig, sm_count  # noqa: E402
 from pallas_kernels.reference import mla_attention_reference  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -87,7 +86,7 @@ flags.DEFINE_multi_string(
     "mosaic_tiling",
     [],
     "also check and time the Mosaic kernel with these MosaicMLAConfig fields (repeatable), e.g. "
-    "compute_registers=240 or overlap=true,swap_fence=true",
+    "compute_registers=232 or num_stages=1,num_splits=8",
 )
 flags.DEFINE_integer(
     "inner", None, "time a call from programs of --inner and 2 x --inner calls (default 50, unrolled 10)", lower_bound=1
@@ -124,7 +123,7 @@ flags.DEFINE_float("mem_gib", 60.0, "skip a path whose working set exceeds this"
 flags.DEFINE_integer(
     "ceiling_size", 8192, "matmul sizes n and 2n (the best rate); the copy moves ceiling_size^2 * 16 bf16 values"
 )
-flags.DEFINE_bool("interpret", False, "run the kernel in Pallas interpret mode (CPU smoke test)")
+flags.DEFINE_bool("interpret", False, "run the Triton kernel in Pallas interpret mode (CPU smoke test)")
 flags.DEFINE_string("out_dir", None, "results directory (default experiments/results)")
 flags.DEFINE_string("name", "bench_mla", "results file stem")
 
@@ -164,7 +163,7 @@ def decode_sweep() -> list[tuple[tuple[int, int, int, int], list[tuple[str, MLAC
         tilings = itertools.product(DECODE_TILINGS[heads], DECODE_PROGRAMS_PER_SM)
         for (block_r, block_k, warps, stages), per_sm in tilings:
             programs = batch * pl.cdiv(heads, block_r)
-            splits = max(1, round(per_sm * mla_mosaic.sm_count() / programs))
+            splits = max(1, round(per_sm * sm_count() / programs))
             configs.append(("triton", MLAConfig(block_r, block_k, splits, warps, stages)))
         work.append((cell, configs))
     return work
@@ -210,7 +209,7 @@ def time_per_call(fn: Callable[..., jax.Array], args: Sequence[Any]) -> tuple[fl
     return per_call_time(lambda k: functools.partial(run, *args, k), calls_per_program(FLAGS.loop, FLAGS.inner))
 
 
-KERNELS = ("triton", "mosaic", "mosaic_duplicate", "mosaic_shared", "mosaic_k32", "mosaic_k32_shared")
+KERNELS = ("triton", "mosaic")
 Kernel = Callable[..., jax.Array]  # (q, cache, prefix, mask) -> [B, N, Hq, 512]
 
 
@@ -219,7 +218,7 @@ def kernel(
     batch: int,
     rows: int,
     length: int,
-    splits: int | MLAConfig | mla_mosaic.MosaicMLAConfig | None = None,
+    splits: int | MLAConfig | MosaicMLAConfig | None = None,
     poison: bool = False,
 ) -> tuple[Kernel, str]:
     """The kernel `name` with its default tiling for this shape and a config label; `splits`: a Triton tiling, or
@@ -230,16 +229,13 @@ def kernel(
         return lambda q, c, p, m: mla_attention_split(
             q, c, p, m, SCALE, DV, config=cfg, poison=poison, interpret=FLAGS.interpret
         ), label
-    cfg = mosaic_config(name, batch, rows, length, splits)
-    interpret = FLAGS.interpret and mla_mosaic.INTERPRET_PARAMS
-    return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(
-        q, c, p, m, SCALE, DV, config=cfg, interpret=interpret
-    ), mosaic_label(cfg)
+    cfg = mosaic_config(batch, rows, length, splits)
+    return lambda q, c, p, m: mla_mosaic.mla_attention_mosaic_split(q, c, p, m, SCALE, DV, config=cfg), mosaic_label(
+        cfg
+    )
 
 
-def check(
-    rng: np.random.Generator, kernels: list[tuple[str, mla_mosaic.MosaicMLAConfig | None]]
-) -> list[dict[str, Any]]:
+def check(rng: np.random.Generator, kernels: list[tuple[str, MosaicMLAConfig | None]]) -> list[dict[str, Any]]:
     """GPU correctness of each (kernel name, Mosaic tiling or None) entry: ragged prefixes, random trees (poisoned
     partials for Triton), and one cache whose slot norms grow 4x along it (rows' running maxima keep moving in late
     tiles: `lazy_rescale`'s rescales); rel. err vs an f32 reference."""
@@ -345,6 +341,8 @@ def main(argv: Sequence[str]) -> None:
     if unknown := sorted(set(FLAGS.kernels) - set(KERNELS)):
         raise UserError(f"--kernels: unknown {unknown}; choose from {list(KERNELS)}")
     tilings = [("mosaic", parse_tiling(text)) for text in FLAGS.mosaic_tiling]  # bad values fail before measuring
+    if FLAGS.interpret and ("mosaic" in FLAGS.kernels or tilings or FLAGS.mosaic_splits):
+        raise UserError("--interpret runs the Triton kernel only (the Mosaic kernel's interpreter is the tests')")
     grid = cells()
     if FLAGS.cache_len and (short := [c for c in grid if c[0] + c[1] > FLAGS.cache_len]):
         raise UserError(f"--cache_len={FLAGS.cache_len} is shorter than context + nodes of cell {short[0]}")

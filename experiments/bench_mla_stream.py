@@ -36,7 +36,7 @@ from experiments.mla_common import (  # noqa: E402
     stream,
     whole_wave_splits,
 )
-from pallas_kernels.mla_mosaic import SMEM_LIMIT, sm_count  # noqa: E402
+from pallas_kernels.mla_mosaic_config import SMEM_LIMIT, sm_count  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("contexts", ["8192", "32768"], "cache lengths")

@@ -32,7 +32,8 @@ from ddtree_jax.errors import run_app
 from experiments import common  # noqa: E402
 from experiments.mla_common import DK, DV, SCALE, cost, random_tree_mask, rel_err  # noqa: E402
 from pallas_kernels.mla_attention import mla_attention_pallas  # noqa: E402
-from pallas_kernels.mla_mosaic import default_config, mla_attention_mosaic  # noqa: E402
+from pallas_kernels.mla_mosaic import mla_attention_mosaic  # noqa: E402
+from pallas_kernels.mla_mosaic_config import default_config  # noqa: E402
 from pallas_kernels.reference import mla_attention_reference  # noqa: E402
 
 FLAGS = flags.FLAGS

@@ -22,7 +22,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 
 from ddtree_jax.errors import UserError
 from experiments import common
-from pallas_kernels.mla_mosaic import MosaicMLAConfig, default_config
+from pallas_kernels.mla_mosaic_config import BLOCK_K, MosaicMLAConfig, default_config
 
 DK, DV, SCALE = 576, 512, 0.1446796  # K2.6 latent + rope dims, value dims, softmax scale
 # An H200 that need not be there: the Triton lowering asks the mesh for the GPU it compiles for.
@@ -254,32 +254,15 @@ def whole_wave_splits(batch: int, n_tiles: int, slots: int) -> int:
     return max(fits, default=1)
 
 
-def mosaic_config(
-    name: str, batch: int, rows: int, length: int, splits: int | MosaicMLAConfig | None
-) -> MosaicMLAConfig:
-    """The Mosaic kernel `name`'s tiling for this shape: `splits` a split count replacing the chosen one, or a
-    tiling (its split count chosen for the shape unless it sets one), or None (the kernel's default tiling)."""
-    softmax = name.rpartition("_")[2] if name.endswith(("_duplicate", "_shared")) else None
-    if isinstance(splits, MosaicMLAConfig):
-        tiling = splits
-    elif "_k32" in name:  # a 4-deep ring of 32-slot tiles (too narrow to split S)
-        tiling = MosaicMLAConfig(block_k=32, num_stages=4, softmax=softmax or "duplicate")
-    else:
-        tiling = MosaicMLAConfig(softmax=softmax or "split")
+def mosaic_config(batch: int, rows: int, length: int, splits: int | MosaicMLAConfig | None) -> MosaicMLAConfig:
+    """The Mosaic kernel's tiling for this shape: `splits` a split count replacing the chosen one, or a tiling (its
+    split count chosen for the shape unless it sets one), or None (the kernel's default tiling)."""
+    tiling = splits if isinstance(splits, MosaicMLAConfig) else MosaicMLAConfig()
     cfg = tiling if tiling.num_splits else default_config(batch, rows, length, tiling)
     return dataclasses.replace(cfg, num_splits=splits) if isinstance(splits, int) else cfg
 
 
 def mosaic_label(cfg: MosaicMLAConfig) -> str:
-    """A short name of a Mosaic tiling: tile, splits and stages, then what differs from the defaults."""
-    default = MosaicMLAConfig()
-    label = f"k{cfg.block_k}s{cfg.num_splits}st{cfg.num_stages}"
-    label += {"split": "", "duplicate": "dup", "shared": "shp"}[cfg.softmax]
-    label += f"r{cfg.compute_registers}" if cfg.compute_registers != default.compute_registers else ""
-    label += "" if cfg.swap_fence == default.swap_fence else ("fence" if cfg.swap_fence else "nf")
-    label += "ov" if cfg.overlap else ""
-    natural = MosaicMLAConfig(softmax=cfg.softmax, overlap=cfg.overlap)  # this mode's defaults
-    label += "" if cfg.meetings == natural.meetings else f"m{cfg.meetings}"
-    label += "" if cfg.lazy_rescale == natural.lazy_rescale else ("lz" if cfg.lazy_rescale else "eager")
-    label += "" if cfg.schedule == "grid" else f"pers{cfg.ctas or ''}"
-    return label + ("" if cfg.combine == default.combine else f"c{cfg.combine}")
+    """A short name of a Mosaic tiling: tile, splits and stages, then the registers if not the default's."""
+    label = f"k{BLOCK_K}s{cfg.num_splits}st{cfg.num_stages}"
+    return label + ("" if cfg.compute_registers == MosaicMLAConfig().compute_registers else f"r{cfg.compute_registers}")

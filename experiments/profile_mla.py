@@ -4,7 +4,7 @@ Inputs are built on the host and copied over, so the only GPU kernels are the ca
 ancestor words, the kernel, the split merge). Run under Nsight Compute, e.g.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -k regex:mosaic --section SpeedOfLight --section WarpStateStats \\
-        python -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64 --tiling= --tiling=softmax=duplicate
+        python -m experiments.profile_mla --cells=8192/1/32/64,8192/17/8/64 --tiling= --tiling=compute_registers=232
 
 (without the preallocation flag ncu saves and restores most of the GPU's memory around every replay; without the
 kernel filter it profiles every XLA kernel too).
@@ -21,13 +21,14 @@ from ddtree_jax.errors import cli_main
 from ddtree_jax.sizing import cache_slots
 from experiments.mla_common import DK, DV, SCALE, parse_cell, parse_tiling, random_tree_mask
 from pallas_kernels import mla_mosaic
+from pallas_kernels.mla_mosaic_config import default_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("cells", ["8192/1/32/64"], "context/nodes/batch/heads cells")
 flags.DEFINE_multi_string(
     "tiling",
     [""],
-    "MosaicMLAConfig fields per profiled variant (repeatable; '' is the default), e.g. softmax=duplicate",
+    "MosaicMLAConfig fields per profiled variant (repeatable; '' is the default), e.g. compute_registers=232",
 )
 
 
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> None:
         prefix = jax.device_put(np.full((batch,), context, np.int32))
         mask = jax.device_put(random_tree_mask(rng, batch, nodes))
         for tiling in tilings:
-            config = mla_mosaic.default_config(batch, nodes * heads, length, tiling)
+            config = default_config(batch, nodes * heads, length, tiling)
             out = mla_mosaic.mla_attention_mosaic_split(
                 q, cache, prefix, mask, SCALE, DV, config=config
             ).block_until_ready()

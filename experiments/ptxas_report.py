@@ -15,9 +15,9 @@ offline:
      Per kernel: their count, the fewest and most instructions in one (the unmasked and the masked tile), wgmmas
      per tile, and the spill instructions (STL / LDL) inside them against the kernel's total: whether ptxas's
      spill bytes cost something every tile or once per segment.
-On the H200 the same cells gave the same ptxas report (profiles/ptxas_overlap*.txt). Example:
+On the H200 the same cells gave the same ptxas report as this offline run. Example:
 
-    .venv/bin/python -m experiments.ptxas_report --cells=8192/1/8/64 --tiling= --tiling=overlap=true
+    .venv/bin/python -m experiments.ptxas_report --cells=8192/1/8/64 --tiling= --tiling=compute_registers=232
 
 Writes `<name>.json` / `.md` (one row per cell and tiling: serialised wgmmas, injected fences, spill bytes) and
 the full ptxas logs, one after another, to `<out_dir>/profiles/<name>.txt`.
@@ -43,6 +43,7 @@ from ddtree_jax.sizing import cache_slots
 from experiments import common
 from experiments.mla_common import DV, SCALE, abstract_inputs, lower_for_h200, parse_cell, parse_tiling
 from pallas_kernels import mla_mosaic
+from pallas_kernels.mla_mosaic_config import MosaicMLAConfig, default_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("cells", ["8192/1/8/64"], "context/nodes/batch/heads cells")
@@ -139,11 +140,11 @@ def sass_loops(sass: str) -> dict[str, int]:
     }
 
 
-def mosaic_modules(cell: tuple[int, int, int, int], tiling: mla_mosaic.MosaicMLAConfig) -> list[bytes]:
+def mosaic_modules(cell: tuple[int, int, int, int], tiling: MosaicMLAConfig) -> list[bytes]:
     """The serialised Mosaic GPU module(s) of one call, lowered for CUDA on this machine."""
     context, nodes, batch, heads = cell
     length = cache_slots(context + nodes)
-    config = mla_mosaic.default_config(batch, nodes * heads, length, tiling)
+    config = default_config(batch, nodes * heads, length, tiling)
     fn = functools.partial(mla_mosaic.mla_attention_mosaic_split, scale=SCALE, value_dim=DV, config=config)
     mgpu_core.KNOWN_KERNELS.clear()
     lower_for_h200(fn, *abstract_inputs(batch, nodes, heads, length))

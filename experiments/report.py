@@ -91,7 +91,6 @@ def budget_section(p: dict, d: Path) -> list[str]:
             line += f"{100 * margin:+.1f}% over it)"
         beats = all(best["tokens_per_s"] > r["tokens_per_s"] for r in ar + chain)
         out.append(line + (". DDTree beats both." if beats else ". DDTree does NOT beat both here."))
-        out += repeat_lines(p, d)
         for key, label, name in [
             ("tokens_per_round", "acceptance length (tokens / round)", "acceptance_vs_budget"),
             ("tokens_per_s", "tokens / s", "tokens_per_s_vs_budget"),
@@ -114,41 +113,6 @@ def budget_section(p: dict, d: Path) -> list[str]:
         ax.legend()
         out.append(save(fig, d, "acceptance_histogram"))
     return out
-
-
-def repeat_lines(p: dict, d: Path) -> list[str]:
-    """The same budget sweep run again (`sweep_budget_run*.json`, earlier runs kept beside the shown one): per run,
-    AR, the chain and the best DDTree budget, so the margin can be read against run-to-run spread."""
-    runs = [(f.stem, load(d, f.stem)) for f in sorted(d.glob("sweep_budget_run*.json"))]
-    if not runs:
-        return []
-    rows = []
-    for name, run in [*runs, ("sweep_budget (shown above)", p)]:
-        recs = run["records"]
-        ar, chain, tree = by_method(recs, "ar"), by_method(recs, "dflash"), by_method(recs, "ddtree")
-        if not (ar and chain and tree):
-            continue
-        best = max(tree, key=lambda r: r["tokens_per_s"])
-        rows.append(
-            {
-                "run": name,
-                "commit": run["meta"]["commit"][:7],
-                "date": run["meta"]["date"],
-                "repeats": run["config"]["repeats"],
-                "ar": round(ar[0]["tokens_per_s"]),
-                "chain": round(chain[0]["tokens_per_s"]),
-                "best_budget": best["budget"],
-                "best_ddtree": round(best["tokens_per_s"]),
-                "best_vs_chain": round(best["tokens_per_s"] / chain[0]["tokens_per_s"], 3),
-            }
-        )
-    ratios = [r["best_vs_chain"] for r in rows]
-    return [
-        "Every run of this budget sweep kept in this directory (medians over `repeats` timed runs each; run-to-run "
-        f"spread is the noise floor for the margin above): best DDTree / chain from {min(ratios):.3f} to "
-        f"{max(ratios):.3f}, above 1 in {sum(x > 1 for x in ratios)} of {len(ratios)} runs.",
-        common.markdown_table(rows, list(rows[0])),
-    ]
 
 
 def concurrency_section(p: dict, d: Path) -> list[str]:
@@ -478,15 +442,12 @@ def kernel_section(d: Path) -> list[str]:
     for name in (
         "bench_moe",
         "bench_mla_carry",
-        "bench_mla_combine_key",
         "bench_mla",
         "bench_tree_build",
         "bench_tree_build_e2e",
         "bench_tree_warps",
         "bench_topk",
         "ab_topk",
-        "ab_flags_mla_kernel",
-        "ab_flags_mla_auto",
         "ab_flags_mla_mosaic",
         "bench_mla_stream",
     ):

@@ -10,20 +10,10 @@
 #   and (STAGES=mla_profile) where its warps stall: Nsight Compute's sampled stall locations of the 64-head decode
 #   and verify calls, per SASS instruction (profiles/ncu_mla_source.csv.gz, from the saved report
 #   profiles/ncu_mla_source.ncu-rep), summarised by experiments.ncu_stalls (ncu_mla_stalls; about 1 min)
-#   and (STAGES=mla_schedule) the Mosaic variants not yet timed against the default, same run: the persistent
-#   schedule, one meeting per tile, the lazy accumulator rescale, and the last two together (all at 240
-#   registers, where their tile loops spill nothing: ptxas_sass), verify at 8192 x
-#   {17, 33} nodes x B{1, 8} x 64 heads with GPU checks (bench_mla_schedule_verify) and 64-head decode at
-#   {4096, 8192} x B{8, 32} with also the split merge written for fusion (combine=fused), each cell beside XLA
-#   reading its cache bytes alone (bench_mla_schedule_decode); about 9.5 min
 #   and (STAGES=mla_splits) the Mosaic kernel's decode at B8 over 4096 and 8192 slots, 64 and 8 heads, at split
 #   counts 2-26 beside the one `wave_splits` picks (which leaves the merge's bytes out of its model) and beside
 #   XLA reading the same bytes (bench_mla_decode_splits), and verify 8192 x 17 nodes x B8 x 64 heads at the
 #   chosen 5 splits beside 6 and 10, timed before (bench_mla_split_model_verify); about 5 min
-#   and (STAGES=mla_adopt) the candidate default (lazy rescale + one meeting, 240 registers) against the default
-#   at the verify cells of the bars, 8192 x {17, 33} x B{8, 1} x {64, 8} heads (bench_mla_adopt_verify), and at
-#   64-head B8 decode over 4096 / 8192 slots at split counts 8, 20, 26 besides the chosen one
-#   (bench_mla_adopt_decode); GPU checks of both passed in mla_schedule; about 7.5 min
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -80,29 +70,12 @@ want tree && stage tree "$TREE_S" "$PY" -m experiments.bench_tree_build --out_di
   --batches=1,32 --e2e_budgets=8,16
 want mla && stage mla "$MLA_S" "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=key \
   --kernels=triton,mosaic --name=bench_mla_carry
-MLA_VARIANTS=(--kernels=mosaic --mosaic_tiling=schedule=persistent,compute_registers=240
-  --mosaic_tiling=meetings=1,compute_registers=240 --mosaic_tiling=lazy_rescale=true,compute_registers=240
-  --mosaic_tiling=lazy_rescale=true,meetings=1,compute_registers=240)
-want mla_schedule && stage mla_schedule_verify 330 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
-  --contexts=8192 --nodes=17,33 --batches=1,8 --heads=64 "${MLA_VARIANTS[@]}" --name=bench_mla_schedule_verify
-want mla_schedule && stage mla_schedule_decode 230 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
-  --contexts=4096,8192 --nodes=1 --batches=8,32 --heads=64 "${MLA_VARIANTS[@]}" --mosaic_tiling=combine=fused \
-  --check=false \
-  --name=bench_mla_schedule_decode
 want mla_splits && stage mla_splits 240 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
   --contexts=4096,8192 --nodes=1 --batches=8 --heads=64,8 --kernels=mosaic --mosaic_splits=2,4,6,8,10,16,20,26 \
   --check=false --name=bench_mla_decode_splits
 want mla_splits && stage mla_splits_verify 150 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
   --contexts=8192 --nodes=17 --batches=8 --heads=64 --kernels=mosaic --mosaic_splits=6,10 \
   --check=false --name=bench_mla_split_model_verify
-M1LZ=lazy_rescale=true,meetings=1,compute_registers=240
-want mla_adopt && stage mla_adopt_verify 290 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
-  --contexts=8192 --nodes=17,33 --batches=8,1 --heads=64,8 --kernels=mosaic --mosaic_tiling=$M1LZ --check=false \
-  --name=bench_mla_adopt_verify
-want mla_adopt && stage mla_adopt_decode 160 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
-  --contexts=4096,8192 --nodes=1 --batches=8 --heads=64 --kernels=mosaic --mosaic_tiling=$M1LZ \
-  --mosaic_tiling=$M1LZ,num_splits=8 --mosaic_tiling=$M1LZ,num_splits=20 --mosaic_tiling=$M1LZ,num_splits=26 \
-  --check=false --name=bench_mla_adopt_decode
 if want mla_profile; then
   mkdir -p "$RES/profiles"
   # No preallocation: ncu saves and restores the GPU memory XLA holds around every kernel replay. The CLI prints

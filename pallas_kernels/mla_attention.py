@@ -12,7 +12,8 @@ Semantics are those of `reference.mla_attention_reference`. Layout of the work:
 * Each program writes a normalised bf16 partial output and its f32 log-sum-exp; `mla_combine.merge_splits`
   merges the splits (skipped when there is one split).
 
-Lowering: Pallas-Triton (`pl.pallas_call`), not Mosaic GPU; see experiments/notes_mla.md for why.
+Lowering: Pallas-Triton (`pl.pallas_call`), any head dims; the Mosaic GPU kernel (`mla_mosaic.py`) takes the calls
+of 64 query rows or more on Hopper (`dispatch.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.mla_combine import check_combine, merge_splits
+from pallas_kernels.mla_combine import merge_splits
 
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: fully masked tiles never produce inf - inf
@@ -43,18 +44,15 @@ class MLAConfig:
     num_splits: int = 0
     num_warps: int = 8
     num_stages: int = 2
-    combine: str = "xla"  # how the splits are merged: mla_combine.COMBINE_METHODS
-
-    def __post_init__(self):
-        check_combine(self.combine, self)
 
 
 def default_config(batch: int, rows: int, max_len: int) -> MLAConfig:
     """Heuristic tiling for `rows = N * Hq` query rows per sequence and a cache of `max_len` slots.
 
-    From the H200 sweeps in experiments/notes_mla.md: 64-row blocks with 8 warps and 2 stages of 64-slot tiles,
-    splits for about 264 programs; 16-row blocks (decode with few heads) with 4 warps and 3 stages of 32-slot tiles
-    (110 KiB of SMEM, so two programs share an SM), splits for at most 264 programs (one wave of two per SM).
+    From H200 tiling sweeps (`experiments.bench_mla --sweep=mixed|decode`): 64-row blocks with 8 warps and 2 stages
+    of 64-slot tiles, splits for about 264 programs; 16-row blocks (decode with few heads) with 4 warps and 3 stages
+    of 32-slot tiles (110 KiB of SMEM, so two programs share an SM), splits for at most 264 programs (one wave of two
+    per SM).
     """
     if rows > 32:
         config = MLAConfig(block_r=64, block_k=64, num_warps=8, num_stages=2)
@@ -256,7 +254,7 @@ def mla_attention_split(
         interpret=interpret,
         name="mla_attention",
     )(prefix, qr, latent_cache, *tree, *poisoned)
-    o = merge_splits(o_part, lse, rows, q.dtype, config.combine, interpret=interpret)
+    o = merge_splits(o_part, lse, rows, q.dtype)
     return o.reshape(b, n, heads, value_dim)
 
 

@@ -2,9 +2,8 @@
 ancestor mask of §3.5, one program per sequence.
 
 Semantics are those of `ddtree_jax.tree.build_tree_from_topk` followed by `ddtree_jax.tree.ancestor_mask` (the
-plain-JAX reference: with it a budget-8 round on the H200 ran 117 kernels, with this kernel 70, per
-experiments/results/breakdown.json at e5d498d and a0329a8). The drafter's tree is tiny (T <= 65 slots, D <= 16
-depths), so the round is launch-bound, not work-bound: here the whole build is one launch.
+plain-JAX reference, which runs as dozens of small kernels). The drafter's tree is tiny (T <= 65 slots, D <= 16
+depths), so the build is launch-bound, not work-bound: here it is one launch.
 
 Inside a program, registers hold a frontier of at most T entries (score, parent score, depth, rank, parent slot
 and the rank tuple, one `[F]` vector per depth level). Each of the `budget` pops takes the best entry by (score
@@ -112,8 +111,8 @@ def _kernel(lp_ref, ids_ref, root_ref, tok_ref, par_ref, dep_ref, val_ref, score
 
 def default_warps(tp: int) -> int:
     """Warps per program for Tp node slots. One warp keeps each pop's reductions inside the warp (fastest up to
-    Tp = 64); at Tp = 128 the `[Tp, Tp]` mask no longer fits one warp's registers. H200, us per build
-    (experiments/results/bench_tree_warps.md): budget 32: 36 at 1 warp, 54 at 4; budget 64: 1139 at 1, 118 at 4."""
+    Tp = 64); at Tp = 128 the `[Tp, Tp]` mask no longer fits one warp's registers (experiments/results/
+    bench_tree_warps.md: at budget 64, 1 warp took about 10x as long as 4)."""
     return 1 if tp <= 64 else 4
 
 

@@ -42,14 +42,14 @@ def test_mla_tiling_reaches_the_mosaic_kernel(monkeypatch):
     """Kernels.mla_tiling: the Mosaic kernel runs with that tiling (its split count still chosen per call); the
     default tiling is the default kernel entry point itself."""
     q, cache = shapes(576)
-    tiled = Kernels(mla_kernel="mosaic", mla_tiling=dispatch.tiling_from_text("schedule=persistent,meetings=1"))
+    tiled = Kernels(mla_kernel="mosaic", mla_tiling=dispatch.tiling_from_text("num_stages=1,compute_registers=232"))
     kernel = dispatch.mla_kernel_for(tiled, q, cache, 512)
     assert kernel.func is mla_attention_mosaic
-    assert kernel.keywords["tiling"] == MosaicMLAConfig(schedule="persistent", meetings=1)
+    assert kernel.keywords["tiling"] == MosaicMLAConfig(num_stages=1, compute_registers=232)
     seen = []
     monkeypatch.setattr(mla_mosaic, "mla_attention_mosaic_split", lambda *a, config, **k: seen.append(config))
     kernel(q, cache, jnp.zeros((2,), jnp.int32), jnp.ones((2, 3, 3), bool), 0.1)
-    assert seen[0].schedule == "persistent" and seen[0].meetings == 1 and seen[0].num_splits >= 2
+    assert seen[0].num_stages == 1 and seen[0].compute_registers == 232 and seen[0].num_splits >= 1
     assert Kernels(mla_kernel="mosaic", mla_tiling=MosaicMLAConfig()) == MOSAIC  # one value for the default
     assert dispatch.mla_kernel_for(MOSAIC, q, cache, 512) is mla_attention_mosaic
 
@@ -116,16 +116,23 @@ def test_gpu_auto_runs_the_moe_kernel_only_on_bf16_and_logs_the_slow_path(monkey
 
 
 def test_interpret_mode_reaches_the_mosaic_kernel(monkeypatch):
-    """Interpret mode with the Mosaic backend runs that kernel in GPU interpret mode (the interpreter is
-    patched on first use, `mosaic_interpret.install`) and matches the reference on a random tree."""
+    """Interpret mode with the Mosaic backend asks that kernel for interpret mode: the product refuses it (jax's
+    own interpreter cannot run the kernel); with the test harness's interpreter in its place (substituted here) the
+    result matches the reference on a random tree."""
     import numpy as np
 
     from pallas_kernels import mla_mosaic
+    from tests import mosaic_interpret
     from tests.test_mla_attention import DV, SCALE, inputs, random_parent_mask, reference, rel_err
 
     calls = []
     kernel = mla_mosaic.mla_attention_mosaic
-    monkeypatch.setattr(mla_mosaic, "mla_attention_mosaic", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+
+    def harness(*args, interpret, **kwargs):
+        calls.append({"interpret": interpret})
+        return kernel(*args, interpret=mosaic_interpret.params() if interpret is True else interpret, **kwargs)
+
+    monkeypatch.setattr(mla_mosaic, "mla_attention_mosaic", harness)
 
     rng = np.random.default_rng()
     q, cache, prefix = inputs(rng, 2, 5, 4, 96, [0, int(rng.integers(1, 91))])

@@ -4,13 +4,12 @@
   dialect lowering, TMA and wgmma checks) without a GPU; only the C++ passes (PTX, ptxas, the SMEM limit) are
   left to the device.
 * Numerics: Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`: simulated SMEM, TMA, barriers and the three
-  warpgroups as threads, with `pallas_kernels.mosaic_interpret` filling in what jax 0.11.2's interpreter lacks)
-  against `mla_attention_reference`.
+  warpgroups as threads, with `tests.mosaic_interpret` filling in what jax 0.11.2's interpreter lacks) against
+  `mla_attention_reference`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 import logging
@@ -22,17 +21,9 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp_call
 
 from experiments.mla_common import abstract_inputs, lower_for_h200
-from pallas_kernels.mla_mosaic import (
-    INTERPRET_PARAMS,
-    SMEM_LIMIT,
-    MosaicMLAConfig,
-    mla_attention_mosaic,
-    mla_attention_mosaic_split,
-    persistent_pieces,
-    persistent_schedule,
-    smem_bytes,
-    wave_splits,
-)
+from pallas_kernels.mla_mosaic import mla_attention_mosaic, mla_attention_mosaic_split
+from pallas_kernels.mla_mosaic_config import SMEM_LIMIT, MosaicMLAConfig, smem_bytes, wave_splits
+from tests import mosaic_interpret
 from tests.test_mla_attention import (
     DK,
     DV,
@@ -64,17 +55,9 @@ def _lower(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | No
         (1, 17, 64, 8200, None),
         (3, 33, 8, 2050, None),
         (1, 1, 64, 60, None),
-        (2, 17, 8, 1000, MosaicMLAConfig(num_splits=3, softmax="duplicate", schedule_barrier=False)),
-        (4, 1, 64, 4096, MosaicMLAConfig(softmax="duplicate")),
-        (1, 17, 8, 8256, MosaicMLAConfig(num_splits=5, softmax="shared")),
-        (2, 17, 64, 1000, MosaicMLAConfig(compute_registers=232, meetings=2, lazy_rescale=False)),
-        (4, 1, 64, 4000, MosaicMLAConfig(overlap=True)),
-        (1, 33, 8, 8200, MosaicMLAConfig(overlap=True, swap_fence=True)),
-        (2, 17, 64, 8192, MosaicMLAConfig(meetings=1, lazy_rescale=False)),
-        (8, 17, 64, 8192, MosaicMLAConfig(schedule="persistent")),
-        (8, 1, 64, 4096, MosaicMLAConfig(schedule="persistent", meetings=1)),
-        (2, 17, 64, 8192, MosaicMLAConfig(lazy_rescale=True, meetings=2)),
-        (2, 17, 8, 1000, MosaicMLAConfig(schedule="persistent", softmax="shared")),
+        (2, 17, 8, 1000, MosaicMLAConfig(num_splits=3)),
+        (2, 17, 64, 1000, MosaicMLAConfig(compute_registers=232)),
+        (1, 33, 8, 8200, MosaicMLAConfig(num_stages=1, num_splits=5)),
     ],
 )
 def test_lowers_for_cuda(b: int, n: int, heads: int, length: int, config: MosaicMLAConfig | None):
@@ -98,9 +81,9 @@ def test_smem_budget():
 
 def run(q, cache, prefix, mask, config: MosaicMLAConfig | None, races: bool = False) -> jax.Array:
     """The kernel in GPU interpret mode (race detection on request); the public entry point if config is None."""
+    params = mosaic_interpret.params(detect_races=races)
     if config is None:
-        return mla_attention_mosaic(q, cache, prefix, mask, SCALE, DV, interpret=True)
-    params = dataclasses.replace(INTERPRET_PARAMS, detect_races=races)
+        return mla_attention_mosaic(q, cache, prefix, mask, SCALE, DV, interpret=params)
     out = mla_attention_mosaic_split(q, cache, prefix, mask, SCALE, DV, config=config, interpret=params)
     if races:
         assert not interp_call.get_races().races_found
@@ -108,71 +91,43 @@ def run(q, cache, prefix, mask, config: MosaicMLAConfig | None, races: bool = Fa
 
 
 def test_config_checks():
-    assert MosaicMLAConfig().softmax == "split" and MosaicMLAConfig().swizzle == 64
-    assert MosaicMLAConfig(softmax="duplicate").swizzle == 128
-    # One meeting and the lazy rescale are the split softmax's defaults; the modes they do not apply to get 2 / off.
-    assert (MosaicMLAConfig().meetings, MosaicMLAConfig().lazy_rescale) == (1, True)
-    for other in (dict(softmax="duplicate"), dict(softmax="shared"), dict(overlap=True)):
-        assert (MosaicMLAConfig(**other).meetings, MosaicMLAConfig(**other).lazy_rescale) == (2, False)
-    with pytest.raises(ValueError, match="softmax must be one of"):
-        MosaicMLAConfig(softmax="split_s")
     for compute in (232, 240):  # the three warpgroups stay within the launch's 3 x 168 registers per lane
         memory = MosaicMLAConfig(compute_registers=compute).memory_registers
         assert 2 * compute + memory <= 3 * 168 and memory >= 24
-    with pytest.raises(ValueError, match="compute_registers"):
-        MosaicMLAConfig(compute_registers=248)
-    with pytest.raises(ValueError, match="overlap pipelines the split softmax only"):
-        MosaicMLAConfig(softmax="shared", overlap=True)
-    for bad in (dict(meetings=3), dict(meetings=1, softmax="duplicate"), dict(meetings=1, overlap=True)):
-        with pytest.raises(ValueError, match="meetings"):
+    for bad in (dict(compute_registers=248), dict(num_splits=-1), dict(num_stages=0)):
+        with pytest.raises(ValueError, match="must be"):
             MosaicMLAConfig(**bad)
-    for bad in (dict(lazy_rescale=True, softmax="shared"), dict(lazy_rescale=True, overlap=True)):
-        with pytest.raises(ValueError, match="lazy_rescale"):
-            MosaicMLAConfig(**bad)
-    for bad in (
-        dict(schedule="waves"),
-        dict(schedule="persistent", ctas=-1),
-        dict(schedule="persistent", num_splits=1),
-    ):
-        with pytest.raises(ValueError, match="schedule"):
-            MosaicMLAConfig(**bad)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        MosaicMLAConfig(block_k=32)  # split S would leave P V a K dim of 16
+
+
+def test_tiling_from_text():
+    assert MosaicMLAConfig.from_text("") == MosaicMLAConfig()
+    assert MosaicMLAConfig.from_text("num_splits=3,compute_registers=232") == MosaicMLAConfig(
+        num_splits=3, compute_registers=232
+    )
+    for bad, says in [
+        ("num_splits", "FIELD=VALUE"),
+        ("softmax=split", "FIELD=VALUE"),
+        ("num_stages=x", "takes an int"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            MosaicMLAConfig.from_text(bad)
+
+
+def test_product_refuses_interpret_mode_without_the_harness():
+    rng = np.random.default_rng(0)
+    q, cache, prefix = inputs(rng, 1, 1, 8, 64, [10])
+    with pytest.raises(NotImplementedError, match="tests/mosaic_interpret.py"):
+        mla_attention_mosaic(q, cache, prefix, decode_mask(1), SCALE, DV, interpret=True)
 
 
 SPLIT = MosaicMLAConfig(num_splits=3)
-DUPLICATE = MosaicMLAConfig(num_splits=3, softmax="duplicate")
-OVERLAP = MosaicMLAConfig(num_splits=3, overlap=True)
-ONE_MEETING = MosaicMLAConfig(num_splits=3, meetings=1, lazy_rescale=False)
-TWO_MEETINGS = MosaicMLAConfig(num_splits=3, meetings=2, lazy_rescale=False)  # the default before the tenth round
-PERSISTENT = MosaicMLAConfig(schedule="persistent", ctas=4)
 
 
-@pytest.mark.parametrize(
-    "n, config",
-    [
-        (17, SPLIT),
-        (17, DUPLICATE),
-        (17, MosaicMLAConfig(num_splits=3, softmax="shared")),
-        (17, MosaicMLAConfig(num_splits=3, swap_fence=True)),
-        (17, OVERLAP),
-        (17, ONE_MEETING),
-        (17, TWO_MEETINGS),
-        (17, PERSISTENT),
-        (17, MosaicMLAConfig(schedule="persistent", ctas=3, meetings=1, softmax="split")),
-        (17, MosaicMLAConfig(schedule="persistent", ctas=3, lazy_rescale=True, meetings=2)),
-        (33, SPLIT),
-        (33, TWO_MEETINGS),
-        (33, MosaicMLAConfig(schedule="persistent", ctas=5, softmax="duplicate")),
-        (33, OVERLAP),
-        (33, DUPLICATE),
-    ],
-)
+@pytest.mark.parametrize("n, config", [(17, SPLIT), (17, MosaicMLAConfig(num_stages=1, num_splits=3)), (33, SPLIT)])
 def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
     """Ragged prefixes (0, mid-tile, cache end), 2-3 row blocks, 3 splits; N = 33 needs two ancestor words.
-    Race detection on at N = 17 (it reports one if the split softmax's max swap skips its meeting; without the
-    swap's fence, the default, it must not). Interpret mode completes every wgmma at issue, so it cannot see a
-    race of the overlapped steps' in-flight wgmma; their order is argued in `compute_split`."""
+    Race detection on at N = 17 (it reports one if a warpgroup overwrites a P half or maximum the other has not
+    read, or reads one before the meeting)."""
     rng = np.random.default_rng(n)
     batch, heads, length = 3, 4, 203
     q, cache, prefix = inputs(rng, batch, n, heads, length, [0, 70, length - n])
@@ -185,11 +140,10 @@ def test_tree_verify_random_parents(n: int, config: MosaicMLAConfig):
     assert rel_err(out, reference(q, cache, prefix, jnp.ones_like(mask))) > 5e-2
 
 
-@pytest.mark.parametrize("meetings", [2, 1])
-def test_lazy_rescale_with_scores_growing_along_the_cache(meetings: int):
-    """lazy_rescale on a cache whose slot norms grow 4x from first to last, so rows' running maxima pass the
-    threshold again in later tiles (counted here from the scores, so the inputs must exercise it) while most tiles
-    stay under it (P up to 2^8); against the reference, with the race detector on."""
+def test_lazy_rescale_with_scores_growing_along_the_cache():
+    """A cache whose slot norms grow 4x from first to last, so rows' running maxima pass the rescale threshold
+    again in later tiles (counted here from the scores, so the inputs must exercise it) while most tiles stay
+    under it (P up to 2^8); against the reference, with the race detector on."""
     rng = np.random.default_rng()
     batch, heads, n, length = 2, 4, 17, 400
     q, cache, prefix = inputs(rng, batch, n, heads, length, [length - n, 150])
@@ -202,16 +156,16 @@ def test_lazy_rescale_with_scores_growing_along_the_cache(meetings: int):
         running = np.maximum.accumulate(tiles, axis=-1)
         passes += int((tiles[..., 1:] > running[..., :-1] + 8.0).sum())
     assert passes >= 10, passes
-    config = MosaicMLAConfig(num_splits=2, lazy_rescale=True, meetings=meetings)
+    config = MosaicMLAConfig(num_splits=2)
     assert rel_err(run(q, cache, prefix, mask, config, races=True), reference(q, cache, prefix, mask)) < 1e-2
 
 
-@pytest.mark.parametrize("config", [MosaicMLAConfig(num_splits=2), MosaicMLAConfig(num_splits=2, softmax="duplicate")])
-def test_ddtree_builder_masks(config: MosaicMLAConfig):
+def test_ddtree_builder_masks():
     """Budget-16 masks from the project's tree builder (a branching tree; a chain padded out to the budget)."""
     rng = np.random.default_rng(17)
     mask = builder_masks(rng, 16)
     q, cache, prefix = inputs(rng, 2, 17, 4, 150, [40, 133])
+    config = MosaicMLAConfig(num_splits=2)
     assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
 
 
@@ -223,53 +177,18 @@ def test_decode_single_node(heads: int):
     q, cache, prefix = inputs(rng, batch, 1, heads, length, [0, 5, 130, length - 1])
     mask = decode_mask(batch)
     ref, ref_self = reference(q, cache, prefix, mask), reference(q, cache, prefix, jnp.ones_like(mask))
-    configs = [
-        MosaicMLAConfig(num_splits=4, softmax="duplicate"),
-        MosaicMLAConfig(num_splits=4, overlap=True),
-        MosaicMLAConfig(num_splits=4, meetings=2, lazy_rescale=False),
-        MosaicMLAConfig(num_splits=4, lazy_rescale=False),
-        MosaicMLAConfig(schedule="persistent", ctas=3),
-    ]
-    for config in (None, MosaicMLAConfig(num_splits=4), *configs):
+    for config in (None, MosaicMLAConfig(num_splits=4)):
         out = run(q, cache, prefix, mask, config)
         assert rel_err(out, ref) < 1e-2 and rel_err(out[1], ref_self[1]) > 5e-2
 
 
-@pytest.mark.parametrize(
-    "config",
-    [MosaicMLAConfig(num_splits=2, softmax=mode) for mode in ("shared", "duplicate")]
-    + [MosaicMLAConfig(), MosaicMLAConfig(overlap=True), MosaicMLAConfig(meetings=2, lazy_rescale=False)]
-    + [MosaicMLAConfig(schedule="persistent", ctas=2, softmax="shared")],
-)
-def test_causal_block(config: MosaicMLAConfig):
-    """A causal 40-node block (two ancestor words), the three ways of splitting the softmax work."""
+def test_causal_block():
+    """A causal 40-node block (two ancestor words), default tiling."""
     rng = np.random.default_rng(3)
     batch, n, heads = 2, 40, 2
     q, cache, prefix = inputs(rng, batch, n, heads, 170, [0, 100])
     mask = jnp.asarray(np.broadcast_to(np.tril(np.ones((n, n), bool)), (batch, n, n)))
-    assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
-
-
-@pytest.mark.parametrize("softmax", ["duplicate", "shared"])
-def test_schedule_barrier_on_and_off(softmax: str):
-    """With and without the FA3 schedule barrier (used only when both warpgroups compute S); odd tile counts."""
-    rng = np.random.default_rng(5)
-    q, cache, prefix = inputs(rng, 2, 5, 8, 450, [201, 390])
-    mask = jnp.asarray(random_parent_mask(rng, 2, 5))
-    for barrier in (True, False):
-        config = MosaicMLAConfig(num_splits=2, softmax=softmax, schedule_barrier=barrier)
-        assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
-
-
-@pytest.mark.parametrize("softmax", ["duplicate", "shared"])
-def test_32_slot_tiles(softmax: str):
-    """32-slot KV tiles (64-byte swizzle) in a 4-deep ring: ragged prefixes, a random tree, odd tile counts."""
-    rng = np.random.default_rng(13)
-    q, cache, prefix = inputs(rng, 3, 9, 8, 333, [0, 47, 324])
-    mask = jnp.asarray(random_parent_mask(rng, 3, 9))
-    config = MosaicMLAConfig(block_k=32, num_stages=4, num_splits=3, softmax=softmax)
-    assert config.swizzle == 64 and smem_bytes(config, DK, DV) <= SMEM_LIMIT
-    assert rel_err(run(q, cache, prefix, mask, config), reference(q, cache, prefix, mask)) < 1e-2
+    assert rel_err(run(q, cache, prefix, mask, None), reference(q, cache, prefix, mask)) < 1e-2
 
 
 def _makespan(ctas: int, n_tiles: int, splits: int, sms: int, overhead: int) -> int:
@@ -295,51 +214,3 @@ def test_cache_shorter_than_a_tile():
     q, cache, prefix = inputs(rng, 2, 3, 4, 7, [0, 4])
     mask = jnp.asarray(random_parent_mask(rng, 2, 3))
     assert rel_err(run(q, cache, prefix, mask, None), reference(q, cache, prefix, mask)) < 1e-2
-
-
-def _units(tiles: np.ndarray, row_blocks: int) -> list[tuple[int, int, int]]:
-    """Every (sequence, row block, tile) unit in the persistent schedule's order, listed one by one."""
-    return [(b, r, t) for b, n in enumerate(tiles) for r in range(row_blocks) for t in range(n)]
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_persistent_schedule_against_a_listing(seed: int):
-    """Random ragged prefixes (some sequences with no tiles): the sequences' unit offsets are those of a listing,
-    per_cta is ceil(total / ctas) unless the piece cap needs more, and dealing the listed units out per_cta at a
-    time, no row block spans more than `pieces` CTAs and `valid` marks exactly the partials some CTA writes (piece
-    = CTA - the row block's first CTA)."""
-    rng = np.random.default_rng(seed)
-    batch, row_blocks, block_k, n_nodes = int(rng.integers(1, 6)), int(rng.integers(1, 4)), 64, int(rng.integers(0, 3))
-    prefix = rng.integers(0, 700, batch).astype(np.int32)
-    prefix[rng.random(batch) < 0.3] = 0
-    ctas = int(rng.integers(1, 12))
-    pieces = int(rng.integers(2, 6)) if seed % 2 else persistent_pieces(batch * row_blocks, 12, ctas)
-    sched, valid = persistent_schedule(jnp.asarray(prefix), n_nodes, block_k, row_blocks, ctas, pieces)
-    sched, valid = np.asarray(sched), np.asarray(valid)
-    tiles = -(-(prefix + n_nodes) // block_k)
-    units = _units(tiles, row_blocks)
-    per_cta = int(sched[-1])
-    assert list(sched[:-1]) == [len(_units(tiles[:b], row_blocks)) for b in range(batch + 1)]
-    assert per_cta == max(1, -(-len(units) // ctas), -(-int(tiles.max()) // (pieces - 1)))
-    written = np.zeros_like(valid)
-    for c in range(-(-len(units) // per_cta)):
-        for b, r in {u[:2] for u in units[c * per_cta : (c + 1) * per_cta]}:
-            first_cta = units.index((b, r, 0)) // per_cta
-            assert c - first_cta < pieces
-            written[b, c - first_cta, r] = True
-    np.testing.assert_array_equal(written, valid)
-
-
-def test_persistent_long_row_block_and_empty_sequence():
-    """Persistent schedule over 5 CTAs: a 16-tile decode row block, a 5-tile one and a sequence with no visible slot
-    (prefix 0, its node does not see itself: no units, NaN rows as in the reference). Piece caps 0 (automatic:
-    3), 6 (per_cta 5: the long row block spans 4 CTAs) and 2 (per_cta 16: one CTA each)."""
-    rng = np.random.default_rng(21)
-    q, cache, prefix = inputs(rng, 3, 1, 8, 1000, [990, 0, 300])
-    mask = decode_mask(3)
-    ref = reference(q, cache, prefix, mask)
-    assert bool(jnp.isnan(ref[1]).all()) and not bool(jnp.isnan(ref[::2]).any())
-    for pieces in (0, 6, 2):
-        out = run(q, cache, prefix, mask, MosaicMLAConfig(schedule="persistent", ctas=5, num_splits=pieces))
-        assert bool(jnp.isnan(out[1]).all())
-        assert rel_err(out[::2], ref[::2]) < 1e-2

@@ -1,6 +1,6 @@
-"""Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`) for the MLA kernel on jax 0.11.2.
+"""Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`) for the MLA kernel on jax 0.11.2: test harness only.
 
-jax 0.11.2's GPU interpreter lacks three things `mla_mosaic.py` (like the shipped `attention_mgpu`) uses:
+jax 0.11.2's GPU interpreter lacks three things `pallas_kernels/mla_mosaic.py` (like the shipped `attention_mgpu`) uses:
 `pl.run_state` with a wgmma accumulator (it binds the primitive raw, which then fails with "Cannot lower jaxpr with
 effects: _WGMMAPipelineEffect, IOEffect"), wgmma with a register LHS (it reads every operand from simulated SMEM)
 and writes to an accumulator (`acc_ref[...] = value`). `install()` adds the three to the interpreter class, with the
@@ -8,12 +8,13 @@ documented semantics (the accumulator starts at the init value or the written on
 returns the final values), and runs an `inline_mgpu` function that names a plain-JAX equivalent (`interpret_as`)
 as that equivalent (the interpreter cannot run Mosaic GPU code); everything else still runs the interpreter's own
 code. Waits are synchronous there: every wgmma has completed when it returns, whatever `wait_n` a read of its
-accumulator gives. Installed once per process, on the first interpret-mode call of the Mosaic MLA kernel (logged).
-Interpret mode only: nothing here runs on a GPU.
+accumulator gives. `params()` installs it (once per process, logged) and returns the interpret parameters to pass
+the kernel as `interpret=`. It patches `jax._src` internals, so it lives with the tests: product code never imports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -35,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _installed = False
+# Interpret mode as the hardware behaves here: TMA reads past the cache end give zeros.
+PARAMS = plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
 
 @gpu_callbacks.fail_on_exception
@@ -237,3 +240,9 @@ def install() -> None:
         "Mosaic GPU interpreter patched for run_state accumulators, accumulator writes, register-LHS wgmma, "
         "inline_mgpu with a plain-JAX equivalent"
     )
+
+
+def params(**changes: object) -> plgpu.InterpretGPUParams:
+    """`PARAMS` with `changes` (e.g. detect_races=True), the interpreter patched for the Mosaic MLA kernel first."""
+    install()
+    return dataclasses.replace(PARAMS, **changes)
