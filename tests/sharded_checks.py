@@ -17,11 +17,12 @@ from conftest import tiny_dflash_config, tiny_kimi_config
 from flax import nnx
 from test_engine import oracle_draft
 
-from ddtree_jax import engine, sharding, synthetic
+from ddtree_jax import engine, sharding
 from ddtree_jax import tree as ddtree
 from ddtree_jax.api import Generator
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.training import synthetic
 
 CFG = tiny_kimi_config(vocab_size=96)  # 96: divisible by every tensor size tested
 BATCH, PROMPT, NEW, BUDGET = 2, 6, 16, 8

@@ -17,10 +17,11 @@ from conftest import tiny_kimi_config
 from flax import nnx
 from safetensors.numpy import save_file
 
-from ddtree_jax import checkpoint, synthetic
+from ddtree_jax import checkpoint
 from ddtree_jax.checkpoint import CheckpointError
 from ddtree_jax.config import ConfigError, to_hf_dict
 from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.training import synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 
