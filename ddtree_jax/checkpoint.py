@@ -1,7 +1,8 @@
 """HF safetensors checkpoint -> `KimiForCausalLM` params, and orbax save/restore of the converted state.
 
-The whole mapping from HF tensor names to param paths is `tensor_table` (plus `expert_names` for the routed
-experts); `hf_tensors_from_model` in synthetic.py runs it backwards. Checkpoints are streamed tensor by tensor
+The mapping from HF tensor names to param paths is `tensor_table`, derived from the models' weight declarations
+(`models/params.py`), plus `expert_names` for the routed experts, which the checkpoint stores one linear per
+expert; `training/synthetic.py` runs it backwards. Checkpoints are streamed tensor by tensor
 (one MoE layer's experts at a time) and every leaf goes to its device as soon as it is converted.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,12 +25,11 @@ from safetensors import safe_open
 
 from ddtree_jax import quant
 from ddtree_jax.config import KimiConfig, load_kimi_config
-from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.models.kimi import KimiForCausalLM, weight_table
+from ddtree_jax.models.params import COPY, JOIN, TRANSPOSE, ParamPath, WeightSpec, param_table
 
-COPY, TRANSPOSE, KV_B = "copy", "transpose", "kv_b"
-ParamPath = tuple[str | int, ...]
 TensorSpec = tuple[tuple[int, ...], np.dtype]  # (shape, dtype) of one HF tensor
-ShardingFn = Callable[[ParamPath, tuple[int, ...]], jax.sharding.Sharding | None]
+ShardingFn = Callable[[ParamPath, WeightSpec], jax.sharding.Sharding | None]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -50,7 +51,8 @@ class CheckpointError(ValueError):
 class Entry:
     """One HF tensor and the param(s) it becomes.
 
-    kind: "copy" (same layout), "transpose" (HF [out, in] -> param [in, out]) or "kv_b" (kv_b_proj
+    kind (`params.py`): COPY (same layout), TRANSPOSE (HF [out, in] -> param [in, out]) or JOIN (one HF
+    [out, in] split along dim 1 of its [params[0].shape[0], -1, in] view into params of `param_shapes`: kv_b_proj
     [heads*(nope+v), kv_lora] -> w_uk [heads, nope, kv_lora], w_uv [heads, v, kv_lora]).
     """
 
@@ -59,74 +61,46 @@ class Entry:
     dtype: np.dtype
     params: tuple[ParamPath, ...]
     kind: str = TRANSPOSE
+    param_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 def hf_prefixes(c: KimiConfig) -> tuple[str, str]:
-    """(prefix of the LM body, lm_head tensor name) for the config's layout (kimi_k2.md §6)."""
+    """(checkpoint root prefix, LM body prefix) for the config's layout (kimi_k2.md §6)."""
     if c.layout == "nested":
-        return "language_model.model.", "language_model.lm_head.weight"
-    return "model.", "lm_head.weight"
+        return "language_model.", "language_model.model."
+    return "", "model."
+
+
+def hf_name(path: ParamPath, spec: WeightSpec, root: str, body: str) -> str:
+    """The checkpoint name of the weight declared by `spec` at `path`: prefix + owning module path + hf_name."""
+    module = "".join(f"{k}." for k in path[:-1])
+    return (root if spec.hf_root else body + module) + spec.hf_name
 
 
 def tensor_table(c: KimiConfig) -> list[Entry]:
-    """Every non-expert HF tensor of the checkpoint, in file order, with its HF shape and target params."""
-    body, lm_head = hf_prefixes(c)
-    h, heads = c.hidden_size, c.num_attention_heads
-    bf = BF16
-    rows = [Entry(body + "embed_tokens.weight", (c.vocab_size, h), bf, (("embed_tokens",),), COPY)]
-    for i in range(c.num_hidden_layers):
-        n, p = f"{body}layers.{i}.", ("layers", i)
-        a, pa = n + "self_attn.", (*p, "self_attn")
-        rows += [
-            Entry(n + "input_layernorm.weight", (h,), bf, ((*p, "input_layernorm"),), COPY),
-            Entry(n + "post_attention_layernorm.weight", (h,), bf, ((*p, "post_attention_layernorm"),), COPY),
-            Entry(a + "q_a_proj.weight", (c.q_lora_rank, h), bf, ((*pa, "q_a_proj"),)),
-            Entry(a + "q_a_layernorm.weight", (c.q_lora_rank,), bf, ((*pa, "q_a_layernorm"),), COPY),
-            Entry(a + "q_b_proj.weight", (heads * c.qk_head_dim, c.q_lora_rank), bf, ((*pa, "q_b_proj"),)),
-            Entry(a + "kv_a_proj_with_mqa.weight", (c.latent_dim, h), bf, ((*pa, "kv_a_proj_with_mqa"),)),
-            Entry(a + "kv_a_layernorm.weight", (c.kv_lora_rank,), bf, ((*pa, "kv_a_layernorm"),), COPY),
-            Entry(
-                a + "kv_b_proj.weight",
-                (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-                bf,
-                ((*pa, "w_uk"), (*pa, "w_uv")),
-                KV_B,
-            ),
-            Entry(a + "o_proj.weight", (h, heads * c.v_head_dim), bf, ((*pa, "o_proj"),)),
-        ]
-        m, pm = n + "mlp.", (*p, "mlp")
-        if not c.is_moe_layer(i):
-            inter = c.intermediate_size
-            rows += [
-                Entry(m + "gate_proj.weight", (inter, h), bf, ((*pm, "gate_proj"),)),
-                Entry(m + "up_proj.weight", (inter, h), bf, ((*pm, "up_proj"),)),
-                Entry(m + "down_proj.weight", (h, inter), bf, ((*pm, "down_proj"),)),
-            ]
-            continue
-        e = c.n_routed_experts
-        rows += [
-            Entry(m + "gate.weight", (e, h), bf, ((*pm, "gate"),)),
-            Entry(m + "gate.e_score_correction_bias", (e,), F32, ((*pm, "e_score_correction_bias"),), COPY),
-        ]
-        if c.n_shared_experts:
-            s, ps = m + "shared_experts.", (*pm, "shared_experts")
-            inter = c.moe_intermediate_size * c.n_shared_experts
-            rows += [
-                Entry(s + "gate_proj.weight", (inter, h), bf, ((*ps, "gate_proj"),)),
-                Entry(s + "up_proj.weight", (inter, h), bf, ((*ps, "up_proj"),)),
-                Entry(s + "down_proj.weight", (h, inter), bf, ((*ps, "down_proj"),)),
-            ]
-    rows += [
-        Entry(body + "norm.weight", (h,), bf, (("norm",),), COPY),
-        Entry(lm_head, (c.vocab_size, h), bf, (("lm_head",),)),
-    ]
+    """Every non-expert HF tensor of the checkpoint with its HF shape, dtype (bf16; the router bias f32) and
+    target params, from the target's weight declarations."""
+    root, body = hf_prefixes(c)
+    by_name: dict[str, list[tuple[ParamPath, WeightSpec]]] = {}
+    for path, spec in weight_table(c, jnp.bfloat16).items():
+        if spec.hf_name is not None:
+            by_name.setdefault(hf_name(path, spec, root, body), []).append((path, spec))
+    rows = []
+    for name, parts in by_name.items():
+        spec = parts[0][1]
+        shapes = tuple(s.shape for _, s in parts)
+        if spec.hf_layout == JOIN:
+            shape = (sum(math.prod(s[:-1]) for s in shapes), spec.shape[-1])
+        else:
+            shape = spec.shape[::-1] if spec.hf_layout == TRANSPOSE else spec.shape
+        rows.append(Entry(name, shape, np.dtype(spec.dtype), tuple(p for p, _ in parts), spec.hf_layout, shapes))
     return rows
 
 
 def expert_names(c: KimiConfig, layer: int) -> list[tuple[str, tuple[int, int]]]:
     """(HF name without the `.weight*` suffix, [out, in]) of every routed-expert projection of a MoE layer,
     expert-major: experts.0.gate_proj, experts.0.up_proj, experts.0.down_proj, experts.1.gate_proj, ..."""
-    body, _ = hf_prefixes(c)
+    _, body = hf_prefixes(c)
     h, inter = c.hidden_size, c.moe_intermediate_size
     shapes = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
     return [
@@ -150,15 +124,17 @@ def group_size(c: KimiConfig) -> int:
     return c.quant.group_size if c.quant is not None else quant.GROUP_SIZE
 
 
-def to_params(entry: Entry, x: np.ndarray, c: KimiConfig) -> tuple[np.ndarray, ...]:
+def to_params(entry: Entry, x: np.ndarray) -> tuple[np.ndarray, ...]:
     """HF tensor -> the entry's param arrays (numpy, same dtype)."""
     if entry.kind == COPY:
         return (x,)
     if entry.kind == TRANSPOSE:
         return (np.ascontiguousarray(x.T),)
-    nope = c.qk_nope_head_dim
-    kv = x.reshape(c.num_attention_heads, nope + c.v_head_dim, c.kv_lora_rank)
-    return np.ascontiguousarray(kv[:, :nope]), np.ascontiguousarray(kv[:, nope:])
+    first = entry.param_shapes[0]
+    joined = x.reshape(first[0], -1, first[-1])
+    splits = np.cumsum([math.prod(s[1:-1]) for s in entry.param_shapes[:-1]])
+    parts = np.split(joined, splits, axis=1)
+    return tuple(np.ascontiguousarray(p).reshape(s) for p, s in zip(parts, entry.param_shapes, strict=True))
 
 
 def from_params(entry: Entry, xs: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -370,7 +346,7 @@ def iter_params(reader: Reader, c: KimiConfig, *, quantized: bool) -> Iterator[t
         if layer != last_layer and last_layer in plans:
             yield from _experts(reader, c, last_layer, plans[last_layer], quantized)
         last_layer = layer
-        arrays = to_params(entry, reader.read(entry.hf, entry.shape, entry.dtype), c)
+        arrays = to_params(entry, reader.read(entry.hf, entry.shape, entry.dtype))
         yield from zip(entry.params, arrays, strict=True)
 
 
@@ -408,11 +384,13 @@ def load_target(
 
     quantized: routed experts as INT4 (default: iff the config has a quantization_config); float experts are
     quantized and INT4 ones dequantized as needed. dtype: floating-point params (the router bias stays f32).
-    sharding_fn(path, shape) -> Sharding | None places each leaf; int4 leaves are first placed as packed int32
+    sharding_fn(path, weight spec) -> Sharding | None places each leaf; int4 leaves are first placed as packed int32
     `[..., K/8]` with the same sharding (so a sharded last axis must divide K/8), then unpacked in place.
     """
     c = load_kimi_config(path)
-    graphdef, state = nnx.split(_abstract_model(c, dtype, quantized))
+    model = _abstract_model(c, dtype, quantized)
+    specs = param_table(model)
+    graphdef, state = nnx.split(model)
     leaves = dict(nnx.to_flat_state(state))
     with Reader(path) as reader:
         for p, x in iter_params(reader, c, quantized=_is_quantized(state)):
@@ -424,7 +402,7 @@ def load_target(
                 raise CheckpointError(
                     f"{path}: param {_fmt(p)} has shape {list(x.shape)}, model wants {list(like.shape)}"
                 )
-            var.set_value(_to_device(x, like, sharding_fn(p, like.shape) if sharding_fn else None))
+            var.set_value(_to_device(x, like, sharding_fn(p, specs[p]) if sharding_fn else None))
     if leaves:
         raise CheckpointError(f"{path}: model param {_fmt(next(iter(leaves)))} not found in the checkpoint")
     return nnx.merge(graphdef, state)
@@ -453,10 +431,12 @@ def restore_converted(
     sharding_fn: ShardingFn | None = None,
 ) -> KimiForCausalLM:
     """Inverse of `save_converted`: a `KimiForCausalLM` with the saved params, placed by sharding_fn."""
-    graphdef, state = nnx.split(_abstract_model(config, dtype, quantized))
+    model = _abstract_model(config, dtype, quantized)
+    specs = param_table(model)
+    graphdef, state = nnx.split(model)
     if sharding_fn is not None:
         for p, var in nnx.to_flat_state(state):
             like = var.get_value()
-            var.set_value(jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding_fn(p, like.shape)))
+            var.set_value(jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding_fn(p, specs[p])))
     restored = ocp.StandardCheckpointer().restore(Path(directory).absolute(), state)
     return nnx.merge(graphdef, restored)
