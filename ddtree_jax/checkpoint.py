@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ddtree_jax import quant
 from ddtree_jax.config import KimiConfig, load_kimi_config
@@ -149,27 +150,29 @@ def from_params(entry: Entry, xs: tuple[np.ndarray, ...]) -> np.ndarray:
 # ---- reading safetensors -------------------------------------------------------------------------
 
 
-def _read_header(file: Path) -> dict[str, dict]:
-    """Parse a safetensors header and check the file holds all the bytes it claims."""
+def _open(file: Path):
+    """`safe_open` one safetensors file (numpy); one it refuses is a CheckpointError saying whether it is cut short."""
+    try:
+        return safe_open(str(file), framework="numpy")
+    except SafetensorError as e:
+        what = "truncated" if _cut_short(file) else "malformed"
+        raise CheckpointError(f"{file}: {what} safetensors file ({e})") from None
+
+
+def _cut_short(file: Path) -> bool:
+    """Whether `file` ends before the bytes its header claims (the 8-byte header length, then the data offsets)."""
     size = file.stat().st_size
     with file.open("rb") as f:
         raw = f.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        if n < 0 or 8 + n > size:
-            raise CheckpointError(f"{file}: truncated safetensors file (header incomplete)")
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else size
+        if 8 + n > size:
+            return True
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{file}: malformed safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    end = max((t["data_offsets"][1] for t in header.values()), default=0)
-    if 8 + n + end > size:
-        last = max(header, key=lambda k: header[k]["data_offsets"][1])
-        raise CheckpointError(
-            f"{file}: truncated safetensors file: header claims {8 + n + end} bytes "
-            f"(tensor '{last}' ends there), file has {size}"
-        )
-    return header
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return False
+    return 8 + n + end > size
 
 
 class Reader:
@@ -187,25 +190,25 @@ class Reader:
             weight_map = None
         else:
             raise CheckpointError(f"{d}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
-        self._headers: dict[str, dict[str, dict]] = {}
+        self._files: dict[str, Any] = {}  # shard file name -> its open safetensors handle
         if weight_map is None:
-            self._headers[SINGLE_FILE] = _read_header(single)
-            weight_map = dict.fromkeys(self._headers[SINGLE_FILE], SINGLE_FILE)
+            self._files[SINGLE_FILE] = _open(single)
+            weight_map = dict.fromkeys(self._files[SINGLE_FILE].keys(), SINGLE_FILE)
         for name, file in weight_map.items():
-            if file in self._headers:
+            if file in self._files:
                 continue
             if not (d / file).is_file():
                 raise CheckpointError(f"{d / file}: shard file missing (holds tensor '{name}')")
-            self._headers[file] = _read_header(d / file)
+            self._files[file] = _open(d / file)
+        keys = {file: set(handle.keys()) for file, handle in self._files.items()}
         for name, file in weight_map.items():
-            if name not in self._headers[file]:
+            if name not in keys[file]:
                 raise CheckpointError(f"{d / file}: tensor '{name}' listed in the index is not in this shard")
-        for file, header in self._headers.items():
-            for name in header:
+        for file, names in keys.items():
+            for name in sorted(names):
                 if weight_map.get(name) != file and not _IGNORED.search(name):
                     raise CheckpointError(f"{d / file}: tensor '{name}' is not listed in {INDEX_FILE}")
         self.dir, self.weight_map = d, weight_map
-        self._open: dict[str, object] = {}
 
     def names(self) -> set[str]:
         """All tensor names except the ignorable ones (vision tower, projector, rotary inv_freq)."""
@@ -215,22 +218,17 @@ class Reader:
         if name not in self.weight_map:
             raise CheckpointError(f"{self.dir}: tensor '{name}' missing")
         file = self.weight_map[name]
-        info = self._headers[file][name]
-        got_dtype = _ST_DTYPES.get(info["dtype"])
-        if tuple(info["shape"]) != tuple(shape):
-            raise CheckpointError(
-                f"{self.dir / file}: tensor '{name}' has shape {list(info['shape'])}, expected {list(shape)}"
-            )
-        if got_dtype != dtype:
-            raise CheckpointError(
-                f"{self.dir / file}: tensor '{name}' has dtype {info['dtype']}, expected {dtype.name}"
-            )
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.dir / file), framework="numpy")
-        return self._open[file].get_tensor(name)
+        handle = self._files[file]
+        info = handle.get_slice(name)
+        got_shape, got_dtype = info.get_shape(), info.get_dtype()
+        if tuple(got_shape) != tuple(shape):
+            raise CheckpointError(f"{self.dir / file}: tensor '{name}' has shape {got_shape}, expected {list(shape)}")
+        if _ST_DTYPES.get(got_dtype) != dtype:
+            raise CheckpointError(f"{self.dir / file}: tensor '{name}' has dtype {got_dtype}, expected {dtype.name}")
+        return handle.get_tensor(name)
 
     def close(self) -> None:
-        self._open.clear()
+        self._files.clear()
 
     def __enter__(self) -> Reader:
         return self
