@@ -288,34 +288,34 @@ def _read_expert(reader: Reader, base: str, out_in: tuple[int, int], packed: boo
 def _experts(
     reader: Reader, c: KimiConfig, layer: int, plan: list, quantized: bool
 ) -> Iterator[tuple[ParamPath, np.ndarray]]:
-    """Stack one MoE layer's routed experts into the model's layout: gate_up_q `[E, 2I, H/8]` int32 words
-    (unpacked to int4 on the device), gate_up_s `[E, H/G, 2I]`, down_q `[E, H, I/8]`, down_s `[E, I/G, H]`
-    (scales group-major: the MoE kernel's layout, transposed from the checkpoint's `[out, in/G]`);
-    or, unquantized, gate_up `[E, H, 2I]`, down `[E, I, H]`."""
-    e, h, inter, g = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, group_size(c)
+    """Stack one MoE layer's routed experts into the arrays its declarations describe (int4 weights as packed
+    int32 words `[..., K/8]`, unpacked on the device): gate_up_q `[E, 2I, H/8]`, gate_up_s `[E, H/G, 2I]`, down_q
+    `[E, H, I/8]`, down_s `[E, I/G, H]` (scales group-major: the MoE kernel's layout, transposed from the
+    checkpoint's `[out, in/G]`); or, unquantized, gate_up `[E, H, 2I]`, down `[E, I, H]`."""
     p = ("layers", layer, "mlp", "experts")
-    if quantized:
-        gu_q, gu_s = np.empty((e, 2 * inter, h // 8), np.int32), np.empty((e, h // g, 2 * inter), BF16)
-        d_q, d_s = np.empty((e, h, inter // 8), np.int32), np.empty((e, inter // g, h), BF16)
-    else:
-        gu, d = np.empty((e, h, 2 * inter), BF16), np.empty((e, inter, h), BF16)
+    specs = weight_table(c, jnp.bfloat16, quantized).items()
+    a = {path[-1]: np.empty(*_host_form(spec)) for path, spec in specs if path[:-1] == p}
+    inter, g = c.moe_intermediate_size, group_size(c)
     for k, (base, out_in, packed) in enumerate(plan):
         ex, proj = divmod(k, 3)  # proj 0 gate, 1 up, 2 down (expert_names order)
         x = _read_expert(reader, base, out_in, packed, g, quantized)
         rows = slice(proj * inter, (proj + 1) * inter)
         if quantized and proj < 2:
-            gu_q[ex, rows], gu_s[ex, :, rows] = x[0], x[1].T
+            a["gate_up_q"][ex, rows], a["gate_up_s"][ex, :, rows] = x[0], x[1].T
         elif quantized:
-            d_q[ex], d_s[ex] = x[0], x[1].T
+            a["down_q"][ex], a["down_s"][ex] = x[0], x[1].T
         elif proj < 2:
-            gu[ex, :, rows] = x.T
+            a["gate_up"][ex, :, rows] = x.T
         else:
-            d[ex] = x.T
-    if quantized:
-        yield from [((*p, "gate_up_q"), gu_q), ((*p, "gate_up_s"), gu_s)]
-        yield from [((*p, "down_q"), d_q), ((*p, "down_s"), d_s)]
-    else:
-        yield from [((*p, "gate_up"), gu), ((*p, "down"), d)]
+            a["down"][ex] = x.T
+    yield from (((*p, name), x) for name, x in a.items())
+
+
+def _host_form(spec: WeightSpec) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of a weight as read on the host: int4 as packed int32 words `[..., K/8]`."""
+    if jnp.dtype(spec.dtype) == jnp.int4:
+        return (*spec.shape[:-1], spec.shape[-1] // 8), I32
+    return spec.shape, np.dtype(spec.dtype)
 
 
 def iter_params(reader: Reader, c: KimiConfig, *, quantized: bool) -> Iterator[tuple[ParamPath, np.ndarray]]:
