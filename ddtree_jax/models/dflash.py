@@ -34,11 +34,6 @@ class DrafterCache(NamedTuple):
 
 
 class DFlashLayer(nnx.Module):
-    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
-        self.cfg, self.param_dtype = cfg, dtype
-        init_params(self, rngs)
-        self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
-
     def param_specs(self) -> dict[str, WeightSpec]:
         """Norms, the query and output projections (heads split over `heads`); the layer's K/V projection lives in
         the drafter's fused `kv_proj`, the FFN is a submodule."""
@@ -53,15 +48,14 @@ class DFlashLayer(nnx.Module):
             "k_norm": norm_spec(c.head_dim, dt, "self_attn.k_norm.weight"),
         }
 
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        self.cfg, self.param_dtype = cfg, dtype
+        init_params(self, rngs)
+        self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+
 
 class DFlashDrafter(nnx.Module):
     """The drafter. Embedding and lm_head are the target's and are passed in, never stored here."""
-
-    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
-        self.config = cfg
-        self.param_dtype = dtype
-        init_params(self, rngs)
-        self.layers = nnx.List([DFlashLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
 
     def param_specs(self) -> dict[str, WeightSpec]:
         """fc `[K*H, H]`, the norms, and every layer's K/V projection fused: kv_proj `[layers, 2, H, kv_heads*hd]`
@@ -74,6 +68,12 @@ class DFlashDrafter(nnx.Module):
             "kv_proj": WeightSpec((c.num_hidden_layers, 2, h, kvd), dt, (None, None, None, "heads")),
             "norm": norm_spec(h, dt, "norm.weight"),
         }
+
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        self.config = cfg
+        self.param_dtype = dtype
+        init_params(self, rngs)
+        self.layers = nnx.List([DFlashLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
 
     @property
     def dtype(self):

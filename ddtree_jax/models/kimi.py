@@ -53,11 +53,6 @@ def write_block(cache: jax.Array, new: jax.Array, cache_len: jax.Array) -> jax.A
 class MLA(nnx.Module):
     """Multi-head latent attention (kimi_k2.md §3)."""
 
-    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
-        self.cfg = cfg
-        self.param_dtype = dtype
-        init_params(self, rngs)
-
     def param_specs(self) -> dict[str, WeightSpec]:
         """Heads are split over `heads`; the latent projections and their norms are replicated. HF's kv_b_proj
         `[heads * (nope + v), kv_lora]` is stored as w_uk `[heads, nope, kv_lora]` and w_uv `[heads, v, kv_lora]`."""
@@ -75,6 +70,11 @@ class MLA(nnx.Module):
             "w_uv": WeightSpec((nh, c.v_head_dim, c.kv_lora_rank), dt, ("heads", None, None), "kv_b_proj.weight", JOIN),
             "o_proj": WeightSpec((nh * c.v_head_dim, h), dt, ("heads", None), "o_proj.weight"),
         }
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        self.cfg = cfg
+        self.param_dtype = dtype
+        init_params(self, rngs)
 
     def _inv_freq(self):
         return yarn_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
@@ -140,10 +140,6 @@ class MLA(nnx.Module):
 class DenseMLP(nnx.Module):
     """SwiGLU feed-forward (dense layer 0 and the shared expert)."""
 
-    def __init__(self, hidden: int, inner: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
-        self.hidden, self.inner, self.param_dtype = hidden, inner, dtype
-        init_params(self, rngs)
-
     def param_specs(self) -> dict[str, WeightSpec]:
         """gate/up `[H, I]`, down `[I, H]`; the inner dim split over `ffn`."""
         h, i, dt = self.hidden, self.inner, self.param_dtype
@@ -153,6 +149,10 @@ class DenseMLP(nnx.Module):
             "down_proj": WeightSpec((i, h), dt, ("ffn", None), "down_proj.weight"),
         }
 
+    def __init__(self, hidden: int, inner: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        self.hidden, self.inner, self.param_dtype = hidden, inner, dtype
+        init_params(self, rngs)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         return swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
 
@@ -161,10 +161,6 @@ class Int4Experts(nnx.Module):
     """Routed experts as INT4 with one bf16 scale per `group` inputs, in the MoE kernel's layout: weights
     checkpoint-native `[E, N, K]` (gate_up_q `[E, 2I, H]`, down_q `[E, H, I]`), scales group-major `[E, K/G, N]`
     (gate_up_s `[E, H/G, 2I]`, down_s `[E, I/G, H]`) so one group's scales for a block of rows are contiguous."""
-
-    def __init__(self, n: int, hidden: int, inner: int, group: int, *, rngs: nnx.Rngs):
-        self.n, self.hidden, self.inner, self.group = n, hidden, inner, group
-        init_params(self, rngs)
 
     def param_specs(self) -> dict[str, WeightSpec]:
         """Experts split over `experts`. No single HF name: the checkpoint holds one packed INT4 linear per expert
@@ -178,6 +174,10 @@ class Int4Experts(nnx.Module):
             "down_q": WeightSpec((n, h, i), jnp.int4, experts, init=UniformInt4()),
             "down_s": WeightSpec((n, i // g, h), jnp.bfloat16, experts, init=scale, scale_of="down_q"),
         }
+
+    def __init__(self, n: int, hidden: int, inner: int, group: int, *, rngs: nnx.Rngs):
+        self.n, self.hidden, self.inner, self.group = n, hidden, inner, group
+        init_params(self, rngs)
 
     def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array) -> jax.Array:
         return sharding.moe_swiglu(  # expert-parallel under an active mesh, else dispatch.moe_swiglu
@@ -198,10 +198,6 @@ class DenseExperts(nnx.Module):
     differentiable, meant for small models.
     """
 
-    def __init__(self, n: int, hidden: int, inner: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
-        self.n, self.hidden, self.inner, self.param_dtype = n, hidden, inner, dtype
-        init_params(self, rngs)
-
     def param_specs(self) -> dict[str, WeightSpec]:
         """Experts split over `experts`; the checkpoint holds one linear per expert and projection, stacked by the
         loader."""
@@ -210,6 +206,10 @@ class DenseExperts(nnx.Module):
             "gate_up": WeightSpec((n, h, 2 * i), dt, ("experts", None, None)),
             "down": WeightSpec((n, i, h), dt, ("experts", None, None)),
         }
+
+    def __init__(self, n: int, hidden: int, inner: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        self.n, self.hidden, self.inner, self.param_dtype = n, hidden, inner, dtype
+        init_params(self, rngs)
 
     def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array) -> jax.Array:
         n, _, two_i = self.gate_up.shape
@@ -223,6 +223,17 @@ class DenseExperts(nnx.Module):
 
 class MoE(nnx.Module):
     """Sigmoid `noaux_tc` routing + routed experts + shared expert (kimi_k2.md §4)."""
+
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """The router `[H, E]` and its f32 correction bias `[E]`, replicated (experts and shared expert are
+        submodules)."""
+        e = self.cfg.n_routed_experts
+        return {
+            "gate": WeightSpec((self.cfg.hidden_size, e), self.param_dtype, (None, None), "gate.weight"),
+            "e_score_correction_bias": WeightSpec(
+                (e,), jnp.float32, (None,), "gate.e_score_correction_bias", COPY, init=Full(0.0)
+            ),
+        }
 
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, quantized: bool = True):
         self.cfg = cfg
@@ -238,17 +249,6 @@ class MoE(nnx.Module):
         self.shared_experts = (
             DenseMLP(h, i * cfg.n_shared_experts, rngs=rngs, dtype=dtype) if cfg.n_shared_experts else None
         )
-
-    def param_specs(self) -> dict[str, WeightSpec]:
-        """The router `[H, E]` and its f32 correction bias `[E]`, replicated (experts and shared expert are
-        submodules)."""
-        e = self.cfg.n_routed_experts
-        return {
-            "gate": WeightSpec((self.cfg.hidden_size, e), self.param_dtype, (None, None), "gate.weight"),
-            "e_score_correction_bias": WeightSpec(
-                (e,), jnp.float32, (None,), "gate.e_score_correction_bias", COPY, init=Full(0.0)
-            ),
-        }
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x `[T, H]` -> (topk_ids `[T, k]` int32, topk_weights `[T, k]` f32)."""
@@ -285,6 +285,13 @@ class MoE(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """The two pre-norm gains `[H]` (attention and FFN are submodules)."""
+        return {
+            "input_layernorm": norm_spec(self.hidden, self.param_dtype, "input_layernorm.weight"),
+            "post_attention_layernorm": norm_spec(self.hidden, self.param_dtype, "post_attention_layernorm.weight"),
+        }
+
     def __init__(self, cfg: KimiConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, quantized: bool = True):
         self.eps = cfg.rms_norm_eps
         self.hidden, self.param_dtype = cfg.hidden_size, dtype
@@ -294,13 +301,6 @@ class DecoderLayer(nnx.Module):
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, quantized=quantized)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
-
-    def param_specs(self) -> dict[str, WeightSpec]:
-        """The two pre-norm gains `[H]` (attention and FFN are submodules)."""
-        return {
-            "input_layernorm": norm_spec(self.hidden, self.param_dtype, "input_layernorm.weight"),
-            "post_attention_layernorm": norm_spec(self.hidden, self.param_dtype, "post_attention_layernorm.weight"),
-        }
 
     def __call__(self, h, positions, cache, cache_len, block_mask, *, naive=False):
         a, cache = self.self_attn(
@@ -325,16 +325,6 @@ class ForwardOut(NamedTuple):
 class KimiForCausalLM(nnx.Module):
     """The target model. `quantized` (default: the config has a quant section) selects INT4 routed experts."""
 
-    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, quantized: bool | None = None):
-        self.config = cfg
-        self.param_dtype = dtype
-        quantized = cfg.quant is not None if quantized is None else quantized
-        init_params(self, rngs, ("embed_tokens",))  # drawn before the layers' weights, the rest after
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, quantized=quantized) for i in range(cfg.num_hidden_layers)]
-        )
-        init_params(self, rngs, tuple(n for n in self.param_specs() if n != "embed_tokens"))
-
     def param_specs(self) -> dict[str, WeightSpec]:
         """Embedding `[V, H]` (replicated), final norm, lm_head `[H, V]` (split over `vocab`; in the checkpoint
         beside the model body, not in it)."""
@@ -346,6 +336,16 @@ class KimiForCausalLM(nnx.Module):
             "norm": norm_spec(c.hidden_size, dt, "norm.weight"),
             "lm_head": WeightSpec((c.hidden_size, c.vocab_size), dt, (None, "vocab"), "lm_head.weight", hf_root=True),
         }
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, quantized: bool | None = None):
+        self.config = cfg
+        self.param_dtype = dtype
+        quantized = cfg.quant is not None if quantized is None else quantized
+        init_params(self, rngs, ("embed_tokens",))  # drawn before the layers' weights, the rest after
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, quantized=quantized) for i in range(cfg.num_hidden_layers)]
+        )
+        init_params(self, rngs, tuple(n for n in self.param_specs() if n != "embed_tokens"))
 
     @property
     def dtype(self):
