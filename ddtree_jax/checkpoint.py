@@ -1,7 +1,8 @@
 """HF safetensors checkpoint -> `KimiForCausalLM` params, and orbax save/restore of the converted state.
 
-The whole mapping from HF tensor names to param paths is `tensor_table` (plus `expert_names` for the routed
-experts); `hf_tensors_from_model` in synthetic.py runs it backwards. Checkpoints are streamed tensor by tensor
+The mapping from HF tensor names to param paths is `tensor_table`, derived from the models' weight declarations
+(`models/params.py`), plus `expert_names` for the routed experts, which the checkpoint stores one linear per
+expert; `training/synthetic.py` runs it backwards. Checkpoints are streamed tensor by tensor
 (one MoE layer's experts at a time) and every leaf goes to its device as soon as it is converted.
 """
 
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +22,15 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ddtree_jax import quant
 from ddtree_jax.config import KimiConfig, load_kimi_config
-from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.models.kimi import KimiForCausalLM, weight_table
+from ddtree_jax.models.params import COPY, JOIN, TRANSPOSE, ParamPath, WeightSpec, param_table
 
-COPY, TRANSPOSE, KV_B = "copy", "transpose", "kv_b"
-ParamPath = tuple[str | int, ...]
 TensorSpec = tuple[tuple[int, ...], np.dtype]  # (shape, dtype) of one HF tensor
-ShardingFn = Callable[[ParamPath, tuple[int, ...]], jax.sharding.Sharding | None]
+ShardingFn = Callable[[ParamPath, WeightSpec], jax.sharding.Sharding | None]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -50,7 +52,8 @@ class CheckpointError(ValueError):
 class Entry:
     """One HF tensor and the param(s) it becomes.
 
-    kind: "copy" (same layout), "transpose" (HF [out, in] -> param [in, out]) or "kv_b" (kv_b_proj
+    kind (`params.py`): COPY (same layout), TRANSPOSE (HF [out, in] -> param [in, out]) or JOIN (one HF
+    [out, in] split along dim 1 of its [params[0].shape[0], -1, in] view into params of `param_shapes`: kv_b_proj
     [heads*(nope+v), kv_lora] -> w_uk [heads, nope, kv_lora], w_uv [heads, v, kv_lora]).
     """
 
@@ -59,74 +62,46 @@ class Entry:
     dtype: np.dtype
     params: tuple[ParamPath, ...]
     kind: str = TRANSPOSE
+    param_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 def hf_prefixes(c: KimiConfig) -> tuple[str, str]:
-    """(prefix of the LM body, lm_head tensor name) for the config's layout (kimi_k2.md §6)."""
+    """(checkpoint root prefix, LM body prefix) for the config's layout (kimi_k2.md §6)."""
     if c.layout == "nested":
-        return "language_model.model.", "language_model.lm_head.weight"
-    return "model.", "lm_head.weight"
+        return "language_model.", "language_model.model."
+    return "", "model."
+
+
+def hf_name(path: ParamPath, spec: WeightSpec, root: str, body: str) -> str:
+    """The checkpoint name of the weight declared by `spec` at `path`: prefix + owning module path + hf_name."""
+    module = "".join(f"{k}." for k in path[:-1])
+    return (root if spec.hf_root else body + module) + spec.hf_name
 
 
 def tensor_table(c: KimiConfig) -> list[Entry]:
-    """Every non-expert HF tensor of the checkpoint, in file order, with its HF shape and target params."""
-    body, lm_head = hf_prefixes(c)
-    h, heads = c.hidden_size, c.num_attention_heads
-    bf = BF16
-    rows = [Entry(body + "embed_tokens.weight", (c.vocab_size, h), bf, (("embed_tokens",),), COPY)]
-    for i in range(c.num_hidden_layers):
-        n, p = f"{body}layers.{i}.", ("layers", i)
-        a, pa = n + "self_attn.", (*p, "self_attn")
-        rows += [
-            Entry(n + "input_layernorm.weight", (h,), bf, ((*p, "input_layernorm"),), COPY),
-            Entry(n + "post_attention_layernorm.weight", (h,), bf, ((*p, "post_attention_layernorm"),), COPY),
-            Entry(a + "q_a_proj.weight", (c.q_lora_rank, h), bf, ((*pa, "q_a_proj"),)),
-            Entry(a + "q_a_layernorm.weight", (c.q_lora_rank,), bf, ((*pa, "q_a_layernorm"),), COPY),
-            Entry(a + "q_b_proj.weight", (heads * c.qk_head_dim, c.q_lora_rank), bf, ((*pa, "q_b_proj"),)),
-            Entry(a + "kv_a_proj_with_mqa.weight", (c.latent_dim, h), bf, ((*pa, "kv_a_proj_with_mqa"),)),
-            Entry(a + "kv_a_layernorm.weight", (c.kv_lora_rank,), bf, ((*pa, "kv_a_layernorm"),), COPY),
-            Entry(
-                a + "kv_b_proj.weight",
-                (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-                bf,
-                ((*pa, "w_uk"), (*pa, "w_uv")),
-                KV_B,
-            ),
-            Entry(a + "o_proj.weight", (h, heads * c.v_head_dim), bf, ((*pa, "o_proj"),)),
-        ]
-        m, pm = n + "mlp.", (*p, "mlp")
-        if not c.is_moe_layer(i):
-            inter = c.intermediate_size
-            rows += [
-                Entry(m + "gate_proj.weight", (inter, h), bf, ((*pm, "gate_proj"),)),
-                Entry(m + "up_proj.weight", (inter, h), bf, ((*pm, "up_proj"),)),
-                Entry(m + "down_proj.weight", (h, inter), bf, ((*pm, "down_proj"),)),
-            ]
-            continue
-        e = c.n_routed_experts
-        rows += [
-            Entry(m + "gate.weight", (e, h), bf, ((*pm, "gate"),)),
-            Entry(m + "gate.e_score_correction_bias", (e,), F32, ((*pm, "e_score_correction_bias"),), COPY),
-        ]
-        if c.n_shared_experts:
-            s, ps = m + "shared_experts.", (*pm, "shared_experts")
-            inter = c.moe_intermediate_size * c.n_shared_experts
-            rows += [
-                Entry(s + "gate_proj.weight", (inter, h), bf, ((*ps, "gate_proj"),)),
-                Entry(s + "up_proj.weight", (inter, h), bf, ((*ps, "up_proj"),)),
-                Entry(s + "down_proj.weight", (h, inter), bf, ((*ps, "down_proj"),)),
-            ]
-    rows += [
-        Entry(body + "norm.weight", (h,), bf, (("norm",),), COPY),
-        Entry(lm_head, (c.vocab_size, h), bf, (("lm_head",),)),
-    ]
+    """Every non-expert HF tensor of the checkpoint with its HF shape, dtype (bf16; the router bias f32) and
+    target params, from the target's weight declarations."""
+    root, body = hf_prefixes(c)
+    by_name: dict[str, list[tuple[ParamPath, WeightSpec]]] = {}
+    for path, spec in weight_table(c, jnp.bfloat16).items():
+        if spec.hf_name is not None:
+            by_name.setdefault(hf_name(path, spec, root, body), []).append((path, spec))
+    rows = []
+    for name, parts in by_name.items():
+        spec = parts[0][1]
+        shapes = tuple(s.shape for _, s in parts)
+        if spec.hf_layout == JOIN:
+            shape = (sum(math.prod(s[:-1]) for s in shapes), spec.shape[-1])
+        else:
+            shape = spec.shape[::-1] if spec.hf_layout == TRANSPOSE else spec.shape
+        rows.append(Entry(name, shape, np.dtype(spec.dtype), tuple(p for p, _ in parts), spec.hf_layout, shapes))
     return rows
 
 
 def expert_names(c: KimiConfig, layer: int) -> list[tuple[str, tuple[int, int]]]:
     """(HF name without the `.weight*` suffix, [out, in]) of every routed-expert projection of a MoE layer,
     expert-major: experts.0.gate_proj, experts.0.up_proj, experts.0.down_proj, experts.1.gate_proj, ..."""
-    body, _ = hf_prefixes(c)
+    _, body = hf_prefixes(c)
     h, inter = c.hidden_size, c.moe_intermediate_size
     shapes = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
     return [
@@ -150,15 +125,17 @@ def group_size(c: KimiConfig) -> int:
     return c.quant.group_size if c.quant is not None else quant.GROUP_SIZE
 
 
-def to_params(entry: Entry, x: np.ndarray, c: KimiConfig) -> tuple[np.ndarray, ...]:
+def to_params(entry: Entry, x: np.ndarray) -> tuple[np.ndarray, ...]:
     """HF tensor -> the entry's param arrays (numpy, same dtype)."""
     if entry.kind == COPY:
         return (x,)
     if entry.kind == TRANSPOSE:
         return (np.ascontiguousarray(x.T),)
-    nope = c.qk_nope_head_dim
-    kv = x.reshape(c.num_attention_heads, nope + c.v_head_dim, c.kv_lora_rank)
-    return np.ascontiguousarray(kv[:, :nope]), np.ascontiguousarray(kv[:, nope:])
+    first = entry.param_shapes[0]
+    joined = x.reshape(first[0], -1, first[-1])
+    splits = np.cumsum([math.prod(s[1:-1]) for s in entry.param_shapes[:-1]])
+    parts = np.split(joined, splits, axis=1)
+    return tuple(np.ascontiguousarray(p).reshape(s) for p, s in zip(parts, entry.param_shapes, strict=True))
 
 
 def from_params(entry: Entry, xs: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -173,27 +150,29 @@ def from_params(entry: Entry, xs: tuple[np.ndarray, ...]) -> np.ndarray:
 # ---- reading safetensors -------------------------------------------------------------------------
 
 
-def _read_header(file: Path) -> dict[str, dict]:
-    """Parse a safetensors header and check the file holds all the bytes it claims."""
+def _open(file: Path):
+    """`safe_open` one safetensors file (numpy); one it refuses is a CheckpointError saying whether it is cut short."""
+    try:
+        return safe_open(str(file), framework="numpy")
+    except SafetensorError as e:
+        what = "truncated" if _cut_short(file) else "malformed"
+        raise CheckpointError(f"{file}: {what} safetensors file ({e})") from None
+
+
+def _cut_short(file: Path) -> bool:
+    """Whether `file` ends before the bytes its header claims (the 8-byte header length, then the data offsets)."""
     size = file.stat().st_size
     with file.open("rb") as f:
         raw = f.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        if n < 0 or 8 + n > size:
-            raise CheckpointError(f"{file}: truncated safetensors file (header incomplete)")
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else size
+        if 8 + n > size:
+            return True
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{file}: malformed safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    end = max((t["data_offsets"][1] for t in header.values()), default=0)
-    if 8 + n + end > size:
-        last = max(header, key=lambda k: header[k]["data_offsets"][1])
-        raise CheckpointError(
-            f"{file}: truncated safetensors file: header claims {8 + n + end} bytes "
-            f"(tensor '{last}' ends there), file has {size}"
-        )
-    return header
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return False
+    return 8 + n + end > size
 
 
 class Reader:
@@ -211,25 +190,25 @@ class Reader:
             weight_map = None
         else:
             raise CheckpointError(f"{d}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
-        self._headers: dict[str, dict[str, dict]] = {}
+        self._files: dict[str, Any] = {}  # shard file name -> its open safetensors handle
         if weight_map is None:
-            self._headers[SINGLE_FILE] = _read_header(single)
-            weight_map = dict.fromkeys(self._headers[SINGLE_FILE], SINGLE_FILE)
+            self._files[SINGLE_FILE] = _open(single)
+            weight_map = dict.fromkeys(self._files[SINGLE_FILE].keys(), SINGLE_FILE)
         for name, file in weight_map.items():
-            if file in self._headers:
+            if file in self._files:
                 continue
             if not (d / file).is_file():
                 raise CheckpointError(f"{d / file}: shard file missing (holds tensor '{name}')")
-            self._headers[file] = _read_header(d / file)
+            self._files[file] = _open(d / file)
+        keys = {file: set(handle.keys()) for file, handle in self._files.items()}
         for name, file in weight_map.items():
-            if name not in self._headers[file]:
+            if name not in keys[file]:
                 raise CheckpointError(f"{d / file}: tensor '{name}' listed in the index is not in this shard")
-        for file, header in self._headers.items():
-            for name in header:
+        for file, names in keys.items():
+            for name in sorted(names):
                 if weight_map.get(name) != file and not _IGNORED.search(name):
                     raise CheckpointError(f"{d / file}: tensor '{name}' is not listed in {INDEX_FILE}")
         self.dir, self.weight_map = d, weight_map
-        self._open: dict[str, object] = {}
 
     def names(self) -> set[str]:
         """All tensor names except the ignorable ones (vision tower, projector, rotary inv_freq)."""
@@ -239,22 +218,17 @@ class Reader:
         if name not in self.weight_map:
             raise CheckpointError(f"{self.dir}: tensor '{name}' missing")
         file = self.weight_map[name]
-        info = self._headers[file][name]
-        got_dtype = _ST_DTYPES.get(info["dtype"])
-        if tuple(info["shape"]) != tuple(shape):
-            raise CheckpointError(
-                f"{self.dir / file}: tensor '{name}' has shape {list(info['shape'])}, expected {list(shape)}"
-            )
-        if got_dtype != dtype:
-            raise CheckpointError(
-                f"{self.dir / file}: tensor '{name}' has dtype {info['dtype']}, expected {dtype.name}"
-            )
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.dir / file), framework="numpy")
-        return self._open[file].get_tensor(name)
+        handle = self._files[file]
+        info = handle.get_slice(name)
+        got_shape, got_dtype = info.get_shape(), info.get_dtype()
+        if tuple(got_shape) != tuple(shape):
+            raise CheckpointError(f"{self.dir / file}: tensor '{name}' has shape {got_shape}, expected {list(shape)}")
+        if _ST_DTYPES.get(got_dtype) != dtype:
+            raise CheckpointError(f"{self.dir / file}: tensor '{name}' has dtype {got_dtype}, expected {dtype.name}")
+        return handle.get_tensor(name)
 
     def close(self) -> None:
-        self._open.clear()
+        self._files.clear()
 
     def __enter__(self) -> Reader:
         return self
@@ -314,34 +288,34 @@ def _read_expert(reader: Reader, base: str, out_in: tuple[int, int], packed: boo
 def _experts(
     reader: Reader, c: KimiConfig, layer: int, plan: list, quantized: bool
 ) -> Iterator[tuple[ParamPath, np.ndarray]]:
-    """Stack one MoE layer's routed experts into the model's layout: gate_up_q `[E, 2I, H/8]` int32 words
-    (unpacked to int4 on the device), gate_up_s `[E, H/G, 2I]`, down_q `[E, H, I/8]`, down_s `[E, I/G, H]`
-    (scales group-major: the MoE kernel's layout, transposed from the checkpoint's `[out, in/G]`);
-    or, unquantized, gate_up `[E, H, 2I]`, down `[E, I, H]`."""
-    e, h, inter, g = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, group_size(c)
+    """Stack one MoE layer's routed experts into the arrays its declarations describe (int4 weights as packed
+    int32 words `[..., K/8]`, unpacked on the device): gate_up_q `[E, 2I, H/8]`, gate_up_s `[E, H/G, 2I]`, down_q
+    `[E, H, I/8]`, down_s `[E, I/G, H]` (scales group-major: the MoE kernel's layout, transposed from the
+    checkpoint's `[out, in/G]`); or, unquantized, gate_up `[E, H, 2I]`, down `[E, I, H]`."""
     p = ("layers", layer, "mlp", "experts")
-    if quantized:
-        gu_q, gu_s = np.empty((e, 2 * inter, h // 8), np.int32), np.empty((e, h // g, 2 * inter), BF16)
-        d_q, d_s = np.empty((e, h, inter // 8), np.int32), np.empty((e, inter // g, h), BF16)
-    else:
-        gu, d = np.empty((e, h, 2 * inter), BF16), np.empty((e, inter, h), BF16)
+    specs = weight_table(c, jnp.bfloat16, quantized).items()
+    a = {path[-1]: np.empty(*_host_form(spec)) for path, spec in specs if path[:-1] == p}
+    inter, g = c.moe_intermediate_size, group_size(c)
     for k, (base, out_in, packed) in enumerate(plan):
         ex, proj = divmod(k, 3)  # proj 0 gate, 1 up, 2 down (expert_names order)
         x = _read_expert(reader, base, out_in, packed, g, quantized)
         rows = slice(proj * inter, (proj + 1) * inter)
         if quantized and proj < 2:
-            gu_q[ex, rows], gu_s[ex, :, rows] = x[0], x[1].T
+            a["gate_up_q"][ex, rows], a["gate_up_s"][ex, :, rows] = x[0], x[1].T
         elif quantized:
-            d_q[ex], d_s[ex] = x[0], x[1].T
+            a["down_q"][ex], a["down_s"][ex] = x[0], x[1].T
         elif proj < 2:
-            gu[ex, :, rows] = x.T
+            a["gate_up"][ex, :, rows] = x.T
         else:
-            d[ex] = x.T
-    if quantized:
-        yield from [((*p, "gate_up_q"), gu_q), ((*p, "gate_up_s"), gu_s)]
-        yield from [((*p, "down_q"), d_q), ((*p, "down_s"), d_s)]
-    else:
-        yield from [((*p, "gate_up"), gu), ((*p, "down"), d)]
+            a["down"][ex] = x.T
+    yield from (((*p, name), x) for name, x in a.items())
+
+
+def _host_form(spec: WeightSpec) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of a weight as read on the host: int4 as packed int32 words `[..., K/8]`."""
+    if jnp.dtype(spec.dtype) == jnp.int4:
+        return (*spec.shape[:-1], spec.shape[-1] // 8), I32
+    return spec.shape, np.dtype(spec.dtype)
 
 
 def iter_params(reader: Reader, c: KimiConfig, *, quantized: bool) -> Iterator[tuple[ParamPath, np.ndarray]]:
@@ -370,7 +344,7 @@ def iter_params(reader: Reader, c: KimiConfig, *, quantized: bool) -> Iterator[t
         if layer != last_layer and last_layer in plans:
             yield from _experts(reader, c, last_layer, plans[last_layer], quantized)
         last_layer = layer
-        arrays = to_params(entry, reader.read(entry.hf, entry.shape, entry.dtype), c)
+        arrays = to_params(entry, reader.read(entry.hf, entry.shape, entry.dtype))
         yield from zip(entry.params, arrays, strict=True)
 
 
@@ -408,11 +382,13 @@ def load_target(
 
     quantized: routed experts as INT4 (default: iff the config has a quantization_config); float experts are
     quantized and INT4 ones dequantized as needed. dtype: floating-point params (the router bias stays f32).
-    sharding_fn(path, shape) -> Sharding | None places each leaf; int4 leaves are first placed as packed int32
+    sharding_fn(path, weight spec) -> Sharding | None places each leaf; int4 leaves are first placed as packed int32
     `[..., K/8]` with the same sharding (so a sharded last axis must divide K/8), then unpacked in place.
     """
     c = load_kimi_config(path)
-    graphdef, state = nnx.split(_abstract_model(c, dtype, quantized))
+    model = _abstract_model(c, dtype, quantized)
+    specs = param_table(model)
+    graphdef, state = nnx.split(model)
     leaves = dict(nnx.to_flat_state(state))
     with Reader(path) as reader:
         for p, x in iter_params(reader, c, quantized=_is_quantized(state)):
@@ -424,7 +400,7 @@ def load_target(
                 raise CheckpointError(
                     f"{path}: param {_fmt(p)} has shape {list(x.shape)}, model wants {list(like.shape)}"
                 )
-            var.set_value(_to_device(x, like, sharding_fn(p, like.shape) if sharding_fn else None))
+            var.set_value(_to_device(x, like, sharding_fn(p, specs[p]) if sharding_fn else None))
     if leaves:
         raise CheckpointError(f"{path}: model param {_fmt(next(iter(leaves)))} not found in the checkpoint")
     return nnx.merge(graphdef, state)
@@ -453,10 +429,12 @@ def restore_converted(
     sharding_fn: ShardingFn | None = None,
 ) -> KimiForCausalLM:
     """Inverse of `save_converted`: a `KimiForCausalLM` with the saved params, placed by sharding_fn."""
-    graphdef, state = nnx.split(_abstract_model(config, dtype, quantized))
+    model = _abstract_model(config, dtype, quantized)
+    specs = param_table(model)
+    graphdef, state = nnx.split(model)
     if sharding_fn is not None:
         for p, var in nnx.to_flat_state(state):
             like = var.get_value()
-            var.set_value(jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding_fn(p, like.shape)))
+            var.set_value(jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding_fn(p, specs[p])))
     restored = ocp.StandardCheckpointer().restore(Path(directory).absolute(), state)
     return nnx.merge(graphdef, restored)

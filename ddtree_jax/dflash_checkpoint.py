@@ -1,9 +1,8 @@
 """z-lab DFlash drafter checkpoints (`config.json` + safetensors) <-> `DFlashDrafter`.
 
-Tensors (HF `[out, in]`): `fc.weight`, `hidden_norm.weight`, `norm.weight`, and per layer l
-`layers.{l}.{input,post_attention}_layernorm.weight`, `layers.{l}.self_attn.{q,k,v,o}_proj.weight`,
-`layers.{l}.self_attn.{q,k}_norm.weight`, `layers.{l}.mlp.{gate,up,down}_proj.weight`. A leading `model.` is
-accepted. k_proj/v_proj of every layer are stacked into the drafter's fused `kv_proj [layers, 2, H, kvh*hd]`.
+Tensor names and shapes come from the drafter's weight declarations (`tensor_table`; HF `[out, in]`, e.g.
+`layers.{l}.self_attn.q_proj.weight`). A leading `model.` is accepted. k_proj/v_proj of every layer are stacked
+into the drafter's fused `kv_proj [layers, 2, H, kvh*hd]`.
 """
 
 from __future__ import annotations
@@ -18,37 +17,27 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from ddtree_jax.checkpoint import BF16, CheckpointError, Reader
+from ddtree_jax.checkpoint import BF16, CheckpointError, Reader, hf_name
 from ddtree_jax.config import DFlashConfig, load_dflash_config
-from ddtree_jax.models.dflash import DFlashDrafter
+from ddtree_jax.models.dflash import DFlashDrafter, weight_table
+from ddtree_jax.models.params import TRANSPOSE
 
 ParamRef = tuple[tuple[str | int, ...], tuple[int, ...]]  # (param path, index inside that param)
 
 
-def tensor_table(c: DFlashConfig) -> list[tuple[str, tuple[int, int] | tuple[int], ParamRef]]:
-    """(HF name, HF shape, (param path, index)) for every drafter tensor; 2-D tensors are transposed."""
-    h, hd = c.hidden_size, c.head_dim
-    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    rows = [
-        ("fc.weight", (h, len(c.target_layer_ids) * h), (("fc",), ())),
-        ("hidden_norm.weight", (h,), (("hidden_norm",), ())),
-        ("norm.weight", (h,), (("norm",), ())),
-    ]
-    for i in range(c.num_hidden_layers):
-        p, L = f"layers.{i}", ("layers", i)  # noqa: N806
-        rows += [
-            (f"{p}.input_layernorm.weight", (h,), ((*L, "input_layernorm"), ())),
-            (f"{p}.post_attention_layernorm.weight", (h,), ((*L, "post_attention_layernorm"), ())),
-            (f"{p}.self_attn.q_proj.weight", (q, h), ((*L, "q_proj"), ())),
-            (f"{p}.self_attn.k_proj.weight", (kv, h), (("kv_proj",), (i, 0))),
-            (f"{p}.self_attn.v_proj.weight", (kv, h), (("kv_proj",), (i, 1))),
-            (f"{p}.self_attn.o_proj.weight", (h, q), ((*L, "o_proj"), ())),
-            (f"{p}.self_attn.q_norm.weight", (hd,), ((*L, "q_norm"), ())),
-            (f"{p}.self_attn.k_norm.weight", (hd,), ((*L, "k_norm"), ())),
-            (f"{p}.mlp.gate_proj.weight", (c.intermediate_size, h), ((*L, "mlp", "gate_proj"), ())),
-            (f"{p}.mlp.up_proj.weight", (c.intermediate_size, h), ((*L, "mlp", "up_proj"), ())),
-            (f"{p}.mlp.down_proj.weight", (h, c.intermediate_size), ((*L, "mlp", "down_proj"), ())),
-        ]
+def tensor_table(c: DFlashConfig) -> list[tuple[str, tuple[int, ...], ParamRef]]:
+    """(HF name, HF shape, (param path, index)) for every drafter tensor, from the drafter's weight declarations;
+    2-D tensors are transposed. The fused kv_proj `[layers, 2, H, kvh*hd]` is one k_proj / v_proj per layer."""
+    specs = weight_table(c)
+    rows = []
+    for path, spec in specs.items():
+        if spec.hf_name is not None:
+            shape = spec.shape[::-1] if spec.hf_layout == TRANSPOSE else spec.shape
+            rows.append((hf_name(path, spec, "", ""), shape, (path, ())))
+    kv = specs[("kv_proj",)].shape
+    for layer in range(kv[0]):
+        for j, proj in enumerate(("k_proj", "v_proj")):
+            rows.append((f"layers.{layer}.self_attn.{proj}.weight", (kv[3], kv[2]), (("kv_proj",), (layer, j))))
     return rows
 
 

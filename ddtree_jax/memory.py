@@ -39,6 +39,7 @@ from typing import Any
 from absl import logging
 
 from ddtree_jax.config import DFlashConfig, KimiConfig
+from ddtree_jax.engine import GenSpec, tree_size
 from ddtree_jax.errors import UserError
 from ddtree_jax.mesh_spec import parse_mesh_spec
 from ddtree_jax.sizing import F32_BYTES, cache_slots, drafter_params, model_sizes, tensor_split_params
@@ -102,11 +103,6 @@ def fmt_bytes(n: float) -> str:
     """1.5e10 -> "15.0 GB", 2.5e6 -> "2.5 MB" (decimal units)."""
     unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)) if n >= s or s == 1)
     return f"{n / scale:.1f} {unit}"
-
-
-def tree_size(method: str, budget: int, num_draft: int) -> int:
-    """T: tokens verified per round (= `engine.tree_size`)."""
-    return 1 if method == "ar" else 1 + (num_draft if method == "dflash" else budget)
 
 
 def _weights(c: KimiConfig, d: DFlashConfig | None, lay: Layout, w: int) -> dict[str, int]:
@@ -184,7 +180,8 @@ def plan(
         raise ValueError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
     lay = layout or Layout()
     d = drafter_cfg if method != "ar" else None
-    t = tree_size(method, budget, d.num_draft if d is not None else 0)
+    spec = GenSpec(method=method, batch=batch, prompt_len=1, max_new_tokens=max_len, budget=budget)
+    t = tree_size(spec, d.num_draft if d is not None else 0)
     cap = cache_slots(max_len + t + 1)
     p = max_len if prompt_len is None else min(prompt_len, max_len)
     b = math.ceil(batch / lay.data)

@@ -3,7 +3,8 @@
 Mesh axes: `data` (batch), `expert` and `tensor`. `make_mesh("expert=8,tensor=1")`; default: every local
 device on `expert`. The same jitted engine runs on sharded arrays; only these places know about the mesh:
 
-* `PARAM_AXES` + `LOGICAL_AXES` (below): every weight and cache gets its `PartitionSpec` from here.
+* `LOGICAL_AXES` (below): every weight (by the logical axes of its declaration, `models/params.py`) and cache
+  gets its `PartitionSpec` from here.
 * `moe_swiglu`: expert parallelism for the routed experts with `jax.shard_map` (each device runs the dispatch
   kernel on its own E/N experts, tokens routed elsewhere get weight 0, then one `psum`).
 * `topk_logsoftmax`: per-depth top-K of the draft distribution from vocab-sharded logits (local top-K and
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ddtree_jax import topk
 from ddtree_jax.mesh_spec import MESH_AXES, MeshSpecError, parse_mesh_spec
+from ddtree_jax.models.params import ParamPath, WeightSpec, param_table
 from pallas_kernels import dispatch
 
 # Logical axis -> mesh axes. The one place that says which mesh axis splits what.
@@ -53,21 +54,6 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "ffn": ("tensor",),
     "vocab": ("tensor",),
 }
-
-# Param path (dotted, full match) -> logical axis per dim (None: not split). Unlisted params are replicated.
-PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"lm_head", (None, "vocab")),
-    (r"layers\.\d+\.self_attn\.q_b_proj", (None, "heads")),
-    (r"layers\.\d+\.self_attn\.w_u[kv]", ("heads", None, None)),
-    (r"layers\.\d+\.self_attn\.o_proj", ("heads", None)),
-    (r"layers\.\d+\.mlp(\.shared_experts)?\.(gate|up)_proj", (None, "ffn")),
-    (r"layers\.\d+\.mlp(\.shared_experts)?\.down_proj", ("ffn", None)),
-    (r"layers\.\d+\.mlp\.experts\.(gate_up_q|gate_up_s|down_q|down_s|gate_up|down)", ("experts", None, None)),
-    # The drafter (its own paths; its mlp shares the target's ffn rules above).
-    (r"layers\.\d+\.q_proj", (None, "heads")),
-    (r"layers\.\d+\.o_proj", ("heads", None)),
-    (r"kv_proj", (None, None, None, "heads")),
-)
 
 # Caches: logical axes of one target layer's latent cache `[B, L, 576]` and the drafter's K/V
 # `[layers, B, L, kv_heads, head_dim]`.
@@ -118,32 +104,22 @@ def logical_spec(mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int]
     return PartitionSpec(*spec)
 
 
-def param_logical_axes(path: Sequence[str | int], ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the param (target or drafter) at `path`, e.g. ("layers", 1, "mlp", "experts", "down_q")."""
+def param_sharding(mesh: Mesh, path: ParamPath, spec: WeightSpec) -> NamedSharding:
+    """Where the weight declared by `spec` at `path` lives: its logical axes through `LOGICAL_AXES`."""
     dotted = ".".join(str(p) for p in path)
-    for pattern, axes in PARAM_AXES:
-        if re.fullmatch(pattern, dotted):
-            if len(axes) != ndim:
-                raise ValueError(f"rule {pattern!r} has {len(axes)} axes, param {dotted} has {ndim} dims")
-            return axes
-    return (None,) * ndim
-
-
-def param_sharding(mesh: Mesh, path: Sequence[str | int], shape: Sequence[int]) -> NamedSharding:
-    dotted = ".".join(str(p) for p in path)
-    return NamedSharding(mesh, logical_spec(mesh, param_logical_axes(path, len(shape)), shape, dotted))
+    return NamedSharding(mesh, logical_spec(mesh, spec.logical_axes, spec.shape, dotted))
 
 
 def sharding_fn(mesh: Mesh):
-    """`(path, shape) -> NamedSharding` for `checkpoint.load_target` / `restore_converted`."""
-    return lambda path, shape: param_sharding(mesh, path, shape)
+    """`(path, spec) -> NamedSharding` for `checkpoint.load_target` / `restore_converted`."""
+    return lambda path, spec: param_sharding(mesh, path, spec)
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-    """Place every param of `model` (target or drafter) by the rules, in place."""
+    """Place every param of `model` (target or drafter) by its declaration, in place."""
+    table = param_table(model)
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        x = var.get_value()
-        var.set_value(jax.device_put(x, param_sharding(mesh, path, x.shape)))
+        var.set_value(jax.device_put(var.get_value(), param_sharding(mesh, path, table[path])))
     return model
 
 

@@ -4,14 +4,14 @@
 
 Acceptance at temperature 0 asks the drafter to predict the target's greedy tokens, so this stage builds data that
 is exactly that: random windows of the training stream (--prompt_len tokens) continued greedily by the shipped
-(INT4) target for --gen_tokens. The drafter then trains with the standard recipe (`training.DrafterTrainer`: target
+(INT4) target for --gen_tokens. The drafter then trains with the standard recipe (`trainers.DrafterTrainer`: target
 features computed in the step, position-decayed cross-entropy against a mix of the greedy token and the target's
 distribution, --distill) on anchors inside the generated part only. --val_prompts generated sequences are held
 out of training; every --eval_every steps the drafter is scored on them (loss and position-1 agreement with the
 target, fixed anchors) and the best-scoring weights are the ones written: 1M generated tokens overfit within a few
 minutes on an H200 (training agreement 0.94, held-out prompts 0.73), so the stopping point is measured, not
 guessed. --grow_layers / --grow_intermediate first enlarge the drafter without changing what it computes
-(`training.grow_drafter`). --sequences keeps the generated data in a .npy file (read when it exists), so runs
+(`trainers.grow_drafter`). --sequences keeps the generated data in a .npy file (read when it exists), so runs
 that differ only in the drafter share one generation. Sized for a GPU; a few hundred steps run on a CPU.
 Overwrites --out_dir (the drafter, z-lab format) and writes --results_dir/train_dflash_selfdistill_loss.json.
 """
@@ -87,10 +87,10 @@ def main(argv: Sequence[str]) -> None:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import training
     from ddtree_jax.api import Generator
     from ddtree_jax.checkpoint import load_target
     from ddtree_jax.dflash_checkpoint import drafter_lineage, load_drafter, save_drafter
+    from ddtree_jax.training import trainers
     from experiments.common import metadata
 
     rng = np.random.default_rng(FLAGS.seed)
@@ -117,14 +117,14 @@ def main(argv: Sequence[str]) -> None:
     drafter = load_drafter(FLAGS.drafter, dtype=jnp.float32)
     if FLAGS.grow_layers or FLAGS.grow_intermediate:
         c = drafter.config
-        drafter = training.grow_drafter(
+        drafter = trainers.grow_drafter(
             drafter, FLAGS.grow_layers or c.num_hidden_layers, FLAGS.grow_intermediate or c.intermediate_size
         )
         logging.info("grown to %d layers x %d", drafter.config.num_hidden_layers, drafter.config.intermediate_size)
-    trainer = training.DrafterTrainer(
+    trainer = trainers.DrafterTrainer(
         drafter,
         load_target(FLAGS.target, dtype=jnp.bfloat16, quantized=False),
-        training.adamw(FLAGS.lr, FLAGS.weight_decay),
+        trainers.adamw(FLAGS.lr, FLAGS.weight_decay),
         anchors=FLAGS.anchors,
         gamma=FLAGS.gamma,
         distill=FLAGS.distill,
@@ -140,7 +140,7 @@ def main(argv: Sequence[str]) -> None:
         progress = max(n / FLAGS.steps, elapsed / FLAGS.max_seconds)
         if progress >= 1.0:
             break
-        lr = training.lr_at(progress, FLAGS.lr)
+        lr = trainers.lr_at(progress, FLAGS.lr)
         key, sub = jax.random.split(key)
         loss, acc = trainer.step(seqs[rng.integers(0, len(seqs), size=FLAGS.batch)], sub, lr)
         n += 1

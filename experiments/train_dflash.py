@@ -2,7 +2,7 @@
 
     python -m experiments.train_dflash --target=checkpoints/kimi-mini --out_dir=checkpoints/kimi-mini-dflash
 
-Recipe (dflash_ddtree.md §4, `ddtree_jax.training.drafter_loss`): target features at `target_layer_ids`,
+Recipe (dflash_ddtree.md §4, `ddtree_jax.training.trainers.drafter_loss`): target features at `target_layer_ids`,
 --anchors random anchors per sequence, blocks [anchor, mask x 7], context strictly before the anchor,
 bidirectional inside the block, cross-entropy on block positions 1..7 weighted exp(-(k-1)/gamma); the
 target's embedding and lm_head are shared and frozen. The target is loaded from the shipped checkpoint with its
@@ -90,10 +90,10 @@ def main(argv: Sequence[str]) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from ddtree_jax import training
     from ddtree_jax.checkpoint import load_target
     from ddtree_jax.dflash_checkpoint import dflash_to_hf_dict, drafter_lineage, load_drafter, save_drafter
     from ddtree_jax.models.dflash import DFlashDrafter
+    from ddtree_jax.training import trainers
     from experiments.common import metadata
 
     target = load_target(FLAGS.target, dtype=jnp.bfloat16, quantized=False)
@@ -110,10 +110,10 @@ def main(argv: Sequence[str]) -> None:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
     tokens = np.load(Path(FLAGS.data_dir) / "train_tokens.npy")
     logging.info("drafter: %d params, target layers %s, mask id %d", n_params, cfg.target_layer_ids, mask_id)
-    trainer = training.DrafterTrainer(
+    trainer = trainers.DrafterTrainer(
         drafter,
         target,
-        training.adamw(FLAGS.lr, FLAGS.weight_decay),
+        trainers.adamw(FLAGS.lr, FLAGS.weight_decay),
         anchors=FLAGS.anchors,
         gamma=FLAGS.gamma,
         distill=FLAGS.distill,
@@ -125,9 +125,9 @@ def main(argv: Sequence[str]) -> None:
         progress = max(step / FLAGS.steps, elapsed / FLAGS.max_seconds)
         if progress >= 1.0:
             break
-        lr = training.lr_at(progress, FLAGS.lr)
+        lr = trainers.lr_at(progress, FLAGS.lr)
         key, sub = jax.random.split(key)
-        loss, acc = trainer.step(training.sample_windows(tokens, FLAGS.batch, FLAGS.seq_len, rng), sub, lr)
+        loss, acc = trainer.step(trainers.sample_windows(tokens, FLAGS.batch, FLAGS.seq_len, rng), sub, lr)
         step += 1
         if step == 1:  # the budget counts from the first compiled step
             t0 = time.perf_counter()

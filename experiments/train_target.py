@@ -214,13 +214,13 @@ def eval_loss(model, tokens: np.ndarray, seq_len: int, batch: int = 8) -> float:
     import jax.numpy as jnp
     from flax import nnx
 
-    from ddtree_jax import training
+    from ddtree_jax.training import trainers
 
     n = (len(tokens) - 1) // seq_len
     windows = np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]).astype(np.int32)
     graphdef, state = nnx.split(model)
-    state = training.cast_floats(state, jnp.bfloat16)
-    loss = jax.jit(lambda s, t: training.next_token_loss(nnx.merge(graphdef, s), t))
+    state = trainers.cast_floats(state, jnp.bfloat16)
+    loss = jax.jit(lambda s, t: trainers.next_token_loss(nnx.merge(graphdef, s), t))
     total = [float(loss(state, windows[i : i + batch])) for i in range(0, n - batch + 1, batch)]
     return float(np.mean(total))
 
@@ -230,10 +230,10 @@ def stage_train(data_dir: Path, out_dir: Path, results_dir: Path) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from ddtree_jax import training
     from ddtree_jax.config import to_hf_dict
     from ddtree_jax.models.kimi import KimiForCausalLM
-    from ddtree_jax.synthetic import hf_tensors_from_model, write_hf_checkpoint
+    from ddtree_jax.training import trainers
+    from ddtree_jax.training.synthetic import hf_tensors_from_model, write_hf_checkpoint
     from experiments.common import metadata
 
     manifest = json.loads((data_dir / "manifest.json").read_text())
@@ -244,7 +244,7 @@ def stage_train(data_dir: Path, out_dir: Path, results_dir: Path) -> None:
     model = KimiForCausalLM(cfg, rngs=nnx.Rngs(FLAGS.seed), dtype=jnp.float32, quantized=False)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     logging.info("target: %d params, %d train tokens", n_params, tokens.size)
-    trainer = training.TargetTrainer(model, training.adamw(FLAGS.lr, FLAGS.weight_decay), FLAGS.bias_rate)
+    trainer = trainers.TargetTrainer(model, trainers.adamw(FLAGS.lr, FLAGS.weight_decay), FLAGS.bias_rate)
     rng = np.random.default_rng(FLAGS.seed)
     curve, t0, step = [], time.perf_counter(), 0
     while step < FLAGS.steps:
@@ -252,8 +252,8 @@ def stage_train(data_dir: Path, out_dir: Path, results_dir: Path) -> None:
         progress = max(step / FLAGS.steps, elapsed / FLAGS.max_seconds)
         if progress >= 1.0:
             break
-        lr = training.lr_at(progress, FLAGS.lr)
-        loss, imbalance = trainer.step(training.sample_windows(tokens, FLAGS.batch, FLAGS.seq_len + 1, rng), lr)
+        lr = trainers.lr_at(progress, FLAGS.lr)
+        loss, imbalance = trainer.step(trainers.sample_windows(tokens, FLAGS.batch, FLAGS.seq_len + 1, rng), lr)
         step += 1
         if step == 1:  # the budget counts from the first compiled step
             t0 = time.perf_counter()

@@ -24,7 +24,7 @@ def write_tiny_pair(out_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
 
     from ddtree_jax.dflash_checkpoint import save_drafter
     from ddtree_jax.models.dflash import DFlashDrafter
-    from ddtree_jax.synthetic import write_hf_checkpoint
+    from ddtree_jax.training.synthetic import write_hf_checkpoint
 
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import tiny_dflash_config, tiny_kimi_config

@@ -17,12 +17,14 @@ from conftest import tiny_dflash_config, tiny_kimi_config
 from flax import nnx
 from test_engine import oracle_draft
 
-from ddtree_jax import engine, sharding, synthetic
+from ddtree_jax import engine, sharding
 from ddtree_jax import tree as ddtree
 from ddtree_jax.api import Generator
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.models.params import param_table
 from ddtree_jax.sampling import request_keys
+from ddtree_jax.training import synthetic
 from pallas_kernels.dispatch import TOPK_CHUNK
 
 CFG = tiny_kimi_config(vocab_size=96)  # 96: divisible by every tensor size tested
@@ -87,10 +89,11 @@ def vocab_sharded_trees(mesh, vocab: int) -> dict:
 def loader_placement(mesh, ckpt: Path) -> dict:
     """Load the synthetic checkpoint sharded; per leaf: sharding as the rules say, distinct shards, bytes."""
     gen = Generator.load(ckpt, mesh=mesh)
+    specs = param_table(gen.target)
     leaves = {}
     for path, var in nnx.to_flat_state(nnx.state(gen.target)):
         x = var.get_value()
-        want = sharding.param_sharding(mesh, path, x.shape)
+        want = sharding.param_sharding(mesh, path, specs[path])
         distinct = {tuple((s.start, s.stop) for s in idx) for idx in x.sharding.devices_indices_map(x.shape).values()}
         leaves[".".join(map(str, path))] = {
             "as_rule": x.sharding.is_equivalent_to(want, x.ndim),

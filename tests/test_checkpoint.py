@@ -17,10 +17,11 @@ from conftest import tiny_kimi_config
 from flax import nnx
 from safetensors.numpy import save_file
 
-from ddtree_jax import checkpoint, synthetic
+from ddtree_jax import checkpoint
 from ddtree_jax.checkpoint import CheckpointError
 from ddtree_jax.config import ConfigError, to_hf_dict
 from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.training import synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -185,7 +186,7 @@ def test_single_file_checkpoint_and_sharding_fn(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     calls = {}
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    model = checkpoint.load_target(tmp_path, sharding_fn=lambda p, shape: calls.setdefault(p, shape) and dev)
+    model = checkpoint.load_target(tmp_path, sharding_fn=lambda p, spec: calls.setdefault(p, spec.shape) and dev)
     leaves = _leaves(model)
     assert calls == {p: x.shape for p, x in leaves.items()}
     np.testing.assert_array_equal(
@@ -199,9 +200,7 @@ def test_orbax_round_trip(synthetic_ckpt, tmp_path):
     checkpoint.save_converted(model, tmp_path / "orbax")
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[-1])
     calls = []
-    restored = checkpoint.restore_converted(
-        tmp_path / "orbax", cfg, sharding_fn=lambda p, shape: calls.append(p) or dev
-    )
+    restored = checkpoint.restore_converted(tmp_path / "orbax", cfg, sharding_fn=lambda p, spec: calls.append(p) or dev)
     a, b = _leaves(model), _leaves(restored)
     assert a.keys() == b.keys() == set(calls)
     for p in a:

@@ -15,7 +15,7 @@ from ddtree_jax.config import load_dflash_config, load_kimi_config
 from ddtree_jax.dflash_checkpoint import tensor_table
 from ddtree_jax.errors import UserError
 from ddtree_jax.models.dflash import DFlashDrafter
-from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.models.kimi import KimiForCausalLM, weight_table
 from ddtree_jax.sizing import drafter_params
 from experiments.common import RELEASED_CONFIGS
 
@@ -35,7 +35,7 @@ def test_weights_per_device_follow_the_sharding_rules(quantized: bool, expert: i
     want = 0.0
     for path, var in nnx.to_flat_state(nnx.state(model)):
         x = var.get_value()
-        axes = sharding.param_logical_axes(path, len(x.shape))
+        axes = weight_table(cfg, quantized=quantized)[path].logical_axes
         split = math.prod(sizes[a] for name in axes if name for a in sharding.LOGICAL_AXES[name])
         want += _leaf_bytes(x) / split
     p = memory.plan(cfg, None, batch=1, max_len=8, method="ar", layout=memory.Layout(1, expert, tensor))

@@ -15,7 +15,7 @@ from flax import nnx
 from ddtree_jax.config import YarnConfig, load_kimi_config
 from ddtree_jax.models.kimi import KimiForCausalLM
 from ddtree_jax.models.layers import yarn_inv_freq
-from ddtree_jax.synthetic import hf_tensors_from_model
+from ddtree_jax.training.synthetic import hf_tensors_from_model
 
 
 def unpack_spec(packed: np.ndarray) -> np.ndarray:

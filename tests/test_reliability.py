@@ -23,10 +23,11 @@ from conftest import tiny_dflash_config, tiny_kimi_config
 from flax import nnx
 from test_generate_cli import Cli, drafter_config, target_config
 
-from ddtree_jax import api, generate, memory, synthetic
+from ddtree_jax import api, generate, memory
 from ddtree_jax.dflash_checkpoint import save_drafter
 from ddtree_jax.errors import cli_main
 from ddtree_jax.models.dflash import DFlashDrafter
+from ddtree_jax.training import synthetic
 
 CFG = tiny_kimi_config()
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"

@@ -15,10 +15,11 @@ from conftest import tiny_dflash_config, tiny_kimi_config
 from flax import nnx
 from test_engine import chi_square_z
 
-from ddtree_jax import generate, synthetic
+from ddtree_jax import generate
 from ddtree_jax.checkpoint import load_target
 from ddtree_jax.dflash_checkpoint import save_drafter
 from ddtree_jax.models.dflash import DFlashDrafter
+from ddtree_jax.training import synthetic
 
 VOCAB = 8
 PROMPT = [1, 4, 2, 3]

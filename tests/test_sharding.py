@@ -76,7 +76,7 @@ def test_tree_from_vocab_sharded_logits_equals_full(sharded, mesh, key):
     assert tree["n_valid"] > 40  # 4 rows x 12 nodes, a few missing in the row with -inf logits
 
 
-# Independent of sharding.PARAM_AXES: what each kind of leaf must be split over.
+# Independent of the weight declarations' logical axes: what each kind of leaf must be split over.
 EXPECTED_SPLIT = [
     (r"layers\.\d+\.mlp\.experts\..*", ("expert", "tensor")),
     (r"lm_head|layers\.\d+\.self_attn\.(q_b_proj|w_uk|w_uv|o_proj)", ("tensor",)),

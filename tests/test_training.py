@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ddtree_jax import training
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
+from ddtree_jax.training import trainers
 from tests.conftest import tiny_dflash_config, tiny_kimi_config
 
 SEQ = 24
@@ -31,7 +31,7 @@ def _target(seed: int = 0) -> KimiForCausalLM:
 
 def test_target_loss_decreases_and_bias_is_balanced_not_trained():
     model = _target()
-    trainer = training.TargetTrainer(model, training.adamw(1e-2, 0.0), bias_rate=1e-2, compute_dtype=jnp.float32)
+    trainer = trainers.TargetTrainer(model, trainers.adamw(1e-2, 0.0), bias_rate=1e-2, compute_dtype=jnp.float32)
     tokens = _patterned_tokens(4, SEQ + 1, model.config.vocab_size)
     losses = [trainer.step(tokens, 1e-2)[0] for _ in range(12)]
     assert losses[-1] < 0.7 * losses[0], losses
@@ -44,11 +44,11 @@ def test_target_loss_decreases_and_bias_is_balanced_not_trained():
 
 def test_balance_bias_moves_towards_underloaded_experts():
     model = _target()
-    _, _, bias = nnx.split(model, training.TRAINABLE, nnx.Param)
+    _, _, bias = nnx.split(model, trainers.TRAINABLE, nnx.Param)
     paths = [p for p, _ in nnx.to_flat_state(bias)]
     load = jnp.arange(model.config.n_routed_experts, dtype=jnp.float32)  # expert 0 starved, the last overloaded
     loads = nnx.from_flat_state([((*p[:-1], "expert_load"), nnx.Intermediate((load,))) for p in paths])
-    moved = dict(nnx.to_flat_state(training.balance_bias(bias, loads, 0.5)))
+    moved = dict(nnx.to_flat_state(trainers.balance_bias(bias, loads, 0.5)))
     for p in paths:
         assert moved[p].get_value()[0] == 0.5 and moved[p].get_value()[-1] == -0.5
 
@@ -61,8 +61,8 @@ def _pair(block: int = 4):
 
 def test_drafter_loss_decreases():
     target, drafter = _pair()
-    trainer = training.DrafterTrainer(
-        drafter, target, training.adamw(1e-2, 0.0), anchors=6, gamma=4.0, distill=0.0, compute_dtype=jnp.float32
+    trainer = trainers.DrafterTrainer(
+        drafter, target, trainers.adamw(1e-2, 0.0), anchors=6, gamma=4.0, distill=0.0, compute_dtype=jnp.float32
     )
     tokens = _patterned_tokens(3, SEQ, target.config.vocab_size, seed=1)
     key = jax.random.key(0)
@@ -73,9 +73,9 @@ def test_drafter_loss_decreases():
 def _block_hidden(target, drafter, tokens: np.ndarray, anchor: int, features=None) -> np.ndarray:
     tokens = jnp.asarray(tokens[None])
     if features is None:
-        features = training.target_forward(target, tokens, drafter.config.target_layer_ids).features
+        features = trainers.target_forward(target, tokens, drafter.config.target_layer_ids).features
     anchors = jnp.array([[anchor]], jnp.int32)
-    return np.asarray(training.drafter_block_hidden(drafter, target.embed, features, tokens, anchors))[0, 0]
+    return np.asarray(trainers.drafter_block_hidden(drafter, target.embed, features, tokens, anchors))[0, 0]
 
 
 def test_block_sees_context_strictly_before_the_anchor():
@@ -94,7 +94,7 @@ def test_block_sees_context_strictly_before_the_anchor():
     for pos in (0, anchor - 1):  # before the anchor: visible through the target features
         assert np.abs(_block_hidden(target, drafter, changed(pos), anchor) - base).max() > 1e-4
     # the anchor's own target feature is never context; the one just before it is
-    feats = training.target_forward(target, jnp.asarray(tokens[None]), drafter.config.target_layer_ids).features
+    feats = trainers.target_forward(target, jnp.asarray(tokens[None]), drafter.config.target_layer_ids).features
     at_anchor = feats.at[:, anchor].add(1.0)
     np.testing.assert_array_equal(_block_hidden(target, drafter, tokens, anchor, at_anchor), base)
     before = feats.at[:, anchor - 1].add(1.0)
@@ -105,14 +105,14 @@ def test_block_is_bidirectional_and_targets_follow_the_anchor():
     target, drafter = _pair()
     tokens = jnp.arange(SEQ, dtype=jnp.int32)[None] + 3
     anchors = jnp.array([[5, 11]], jnp.int32)
-    np.testing.assert_array_equal(training.block_targets(tokens, anchors, 4)[0], [[8, 9, 10, 11], [14, 15, 16, 17]])
-    w = training.position_weights(4, 2.0)
+    np.testing.assert_array_equal(trainers.block_targets(tokens, anchors, 4)[0], [[8, 9, 10, 11], [14, 15, 16, 17]])
+    w = trainers.position_weights(4, 2.0)
     np.testing.assert_allclose(w, np.exp(-np.arange(3) / 2.0), rtol=1e-6)
     # the anchor (block position 0) sees the masks after it: its output depends on the mask embedding
-    feats = training.target_forward(target, tokens, drafter.config.target_layer_ids).features
-    h = training.drafter_block_hidden(drafter, target.embed, feats, tokens, anchors[:, :1])
+    feats = trainers.target_forward(target, tokens, drafter.config.target_layer_ids).features
+    h = trainers.drafter_block_hidden(drafter, target.embed, feats, tokens, anchors[:, :1])
     swapped = lambda t: jnp.where((t == drafter.config.mask_token_id)[..., None], 0.0, target.embed(t))  # noqa: E731
-    h2 = training.drafter_block_hidden(drafter, swapped, feats, tokens, anchors[:, :1])
+    h2 = trainers.drafter_block_hidden(drafter, swapped, feats, tokens, anchors[:, :1])
     assert np.abs(np.asarray(h - h2)[0, 0, 0]).max() > 1e-4
 
 
@@ -124,7 +124,7 @@ def test_grown_drafter_computes_what_the_original_did(layers, inner):
     for layer in old.layers:  # norms away from 1, so a copied norm that landed in the wrong place shows
         for w in (layer.input_layernorm, layer.post_attention_layernorm, layer.q_norm, layer.k_norm):
             w[...] = jnp.asarray(rng.uniform(0.5, 1.5, w[...].shape), jnp.float32)
-    new = training.grow_drafter(old, layers, inner, seed=int(rng.integers(1 << 20)))
+    new = trainers.grow_drafter(old, layers, inner, seed=int(rng.integers(1 << 20)))
     assert (new.config.num_hidden_layers, new.config.intermediate_size) == (layers, inner)
     assert len(new.layers) == layers and new.layers[0].mlp.gate_proj[...].shape[1] == inner
     b, c, s = 2, 5, cfg.block_size
@@ -143,6 +143,6 @@ def test_grown_drafter_computes_what_the_original_did(layers, inner):
 def test_grow_drafter_refuses_shrinking():
     old = DFlashDrafter(tiny_dflash_config(tiny_kimi_config()), rngs=nnx.Rngs(0), dtype=jnp.float32)
     with pytest.raises(ValueError, match="can grow 2 layers x 96"):
-        training.grow_drafter(old, 1, 96)
+        trainers.grow_drafter(old, 1, 96)
     with pytest.raises(ValueError, match="can grow"):
-        training.grow_drafter(old, 2, 64)
+        trainers.grow_drafter(old, 2, 64)

@@ -4,11 +4,15 @@ Qwen3-style layers (GQA with q_norm/k_norm, rotate-half YaRN RoPE, SwiGLU) condi
 features of `target_layer_ids` -> `fc` -> `hidden_norm` -> projected once per committed token into every layer's
 context K/V (one fused GEMM for all layers: `kv_proj [layers, 2, H, kv_heads*head_dim]`). A block
 `[anchor, mask x (B-1)]` is embedded with the target's embedding and attends bidirectionally to itself and to
-the cached context; the target's lm_head turns its outputs 1..B-1 into draft logits.
+the cached context; the target's lm_head turns its outputs 1..B-1 into draft logits. Weights are declared in
+each module's `param_specs()` (params.py); `weight_table` collects them for a config.
 """
 
 from __future__ import annotations
 
+import functools
+import types
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -17,8 +21,9 @@ from flax import nnx
 
 from ddtree_jax import sharding
 from ddtree_jax.config import DFlashConfig
-from ddtree_jax.models.kimi import DenseMLP, _normal, _ones
+from ddtree_jax.models.kimi import DenseMLP, norm_spec
 from ddtree_jax.models.layers import rms_norm, rope_half, yarn_inv_freq
+from ddtree_jax.models.params import ParamPath, WeightSpec, init_params, param_table
 
 
 class DrafterCache(NamedTuple):
@@ -29,28 +34,46 @@ class DrafterCache(NamedTuple):
 
 
 class DFlashLayer(nnx.Module):
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """Norms, the query and output projections (heads split over `heads`); the layer's K/V projection lives in
+        the drafter's fused `kv_proj`, the FFN is a submodule."""
+        c, dt = self.cfg, self.param_dtype
+        h, q = c.hidden_size, c.num_attention_heads * c.head_dim
+        return {
+            "input_layernorm": norm_spec(h, dt, "input_layernorm.weight"),
+            "post_attention_layernorm": norm_spec(h, dt, "post_attention_layernorm.weight"),
+            "q_proj": WeightSpec((h, q), dt, (None, "heads"), "self_attn.q_proj.weight"),
+            "o_proj": WeightSpec((q, h), dt, ("heads", None), "self_attn.o_proj.weight"),
+            "q_norm": norm_spec(c.head_dim, dt, "self_attn.q_norm.weight"),
+            "k_norm": norm_spec(c.head_dim, dt, "self_attn.k_norm.weight"),
+        }
+
     def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
-        h, nh, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-        self.input_layernorm = _ones((h,), dtype)
-        self.post_attention_layernorm = _ones((h,), dtype)
-        self.q_proj = _normal(rngs, (h, nh * hd), dtype)
-        self.o_proj = _normal(rngs, (nh * hd, h), dtype)
-        self.q_norm = _ones((hd,), dtype)
-        self.k_norm = _ones((hd,), dtype)
-        self.mlp = DenseMLP(h, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+        self.cfg, self.param_dtype = cfg, dtype
+        init_params(self, rngs)
+        self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
 
 
 class DFlashDrafter(nnx.Module):
     """The drafter. Embedding and lm_head are the target's and are passed in, never stored here."""
 
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """fc `[K*H, H]`, the norms, and every layer's K/V projection fused: kv_proj `[layers, 2, H, kv_heads*hd]`
+        (KV heads split over `heads`; in the checkpoint one k_proj / v_proj per layer, see dflash_checkpoint)."""
+        c, dt = self.config, self.param_dtype
+        h, kvd = c.hidden_size, c.num_key_value_heads * c.head_dim
+        return {
+            "fc": WeightSpec((len(c.target_layer_ids) * h, h), dt, (None, None), "fc.weight"),
+            "hidden_norm": norm_spec(h, dt, "hidden_norm.weight"),
+            "kv_proj": WeightSpec((c.num_hidden_layers, 2, h, kvd), dt, (None, None, None, "heads")),
+            "norm": norm_spec(h, dt, "norm.weight"),
+        }
+
     def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
         self.config = cfg
-        h, kvd = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
-        self.fc = _normal(rngs, (len(cfg.target_layer_ids) * h, h), dtype)
-        self.hidden_norm = _ones((h,), dtype)
-        self.kv_proj = _normal(rngs, (cfg.num_hidden_layers, 2, h, kvd), dtype)
+        self.param_dtype = dtype
+        init_params(self, rngs)
         self.layers = nnx.List([DFlashLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
-        self.norm = _ones((h,), dtype)
 
     @property
     def dtype(self):
@@ -121,3 +144,10 @@ class DFlashDrafter(nnx.Module):
             x = x + jnp.dot(o, layer.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype)
             x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm[...], c.rms_norm_eps))
         return rms_norm(x, self.norm[...], c.rms_norm_eps)
+
+
+@functools.lru_cache(maxsize=16)
+def weight_table(cfg: DFlashConfig, dtype=jnp.bfloat16) -> Mapping[ParamPath, WeightSpec]:
+    """Every weight declaration of the drafter built from `cfg`, by param path (no array is allocated)."""
+    model = nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    return types.MappingProxyType(param_table(model))

@@ -5,11 +5,15 @@ One forward serves prefill, decode and DDTree verify: tokens `[B, N]` at explici
 the latent cache at slots `cache_len[b] + j`, attending to the prefix (slots < cache_len) and, inside the new block,
 to what `block_mask[b, i, j]` allows (causal for prefill/decode, ancestors-or-self for a tree).
 
-Parameters are stored `[in, out]` (the transpose of HF's `[out, in]`); the checkpoint table lives in checkpoint.py.
+Parameters are stored `[in, out]` (the transpose of HF's `[out, in]`). Each module declares its weights once, in
+`param_specs()` (shape, dtype, logical axes, HF name; see params.py); `weight_table` collects them for a config.
 """
 
 from __future__ import annotations
 
+import functools
+import types
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -19,17 +23,25 @@ from flax import nnx
 from ddtree_jax import sharding
 from ddtree_jax.config import KimiConfig
 from ddtree_jax.models.layers import causal_mask, rms_norm, rope_interleaved, swiglu, yarn_inv_freq
+from ddtree_jax.models.params import (
+    COPY,
+    JOIN,
+    Full,
+    Normal,
+    ParamPath,
+    UniformInt4,
+    WeightSpec,
+    init_params,
+    param_table,
+)
 from pallas_kernels.dispatch import Kernels
 
 LatentCache = list[jax.Array]  # one `[B, L, latent_dim]` array per layer: [normed c_kv (512) | roped k_pe (64)]
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> nnx.Param:
-    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
-
-
-def _ones(shape: tuple[int, ...], dtype) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, dtype))
+def norm_spec(dim: int, dtype, hf_name: str) -> WeightSpec:
+    """An RMSNorm gain `[dim]`, replicated, initialised to 1."""
+    return WeightSpec((dim,), dtype, (None,), hf_name, COPY, init=Full(1.0))
 
 
 def write_block(cache: jax.Array, new: jax.Array, cache_len: jax.Array) -> jax.Array:
@@ -42,17 +54,28 @@ def write_block(cache: jax.Array, new: jax.Array, cache_len: jax.Array) -> jax.A
 class MLA(nnx.Module):
     """Multi-head latent attention (kimi_k2.md §3)."""
 
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """Heads are split over `heads`; the latent projections and their norms are replicated. HF's kv_b_proj
+        `[heads * (nope + v), kv_lora]` is stored as w_uk `[heads, nope, kv_lora]` and w_uv `[heads, v, kv_lora]`."""
+        c, dt = self.cfg, self.param_dtype
+        h, nh = c.hidden_size, c.num_attention_heads
+        return {
+            "q_a_proj": WeightSpec((h, c.q_lora_rank), dt, (None, None), "q_a_proj.weight"),
+            "q_a_layernorm": norm_spec(c.q_lora_rank, dt, "q_a_layernorm.weight"),
+            "q_b_proj": WeightSpec((c.q_lora_rank, nh * c.qk_head_dim), dt, (None, "heads"), "q_b_proj.weight"),
+            "kv_a_proj_with_mqa": WeightSpec((h, c.latent_dim), dt, (None, None), "kv_a_proj_with_mqa.weight"),
+            "kv_a_layernorm": norm_spec(c.kv_lora_rank, dt, "kv_a_layernorm.weight"),
+            "w_uk": WeightSpec(
+                (nh, c.qk_nope_head_dim, c.kv_lora_rank), dt, ("heads", None, None), "kv_b_proj.weight", JOIN
+            ),
+            "w_uv": WeightSpec((nh, c.v_head_dim, c.kv_lora_rank), dt, ("heads", None, None), "kv_b_proj.weight", JOIN),
+            "o_proj": WeightSpec((nh * c.v_head_dim, h), dt, ("heads", None), "o_proj.weight"),
+        }
+
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
         self.cfg = cfg
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.q_a_proj = _normal(rngs, (h, cfg.q_lora_rank), dtype)
-        self.q_a_layernorm = _ones((cfg.q_lora_rank,), dtype)
-        self.q_b_proj = _normal(rngs, (cfg.q_lora_rank, nh * cfg.qk_head_dim), dtype)
-        self.kv_a_proj_with_mqa = _normal(rngs, (h, cfg.latent_dim), dtype)
-        self.kv_a_layernorm = _ones((cfg.kv_lora_rank,), dtype)
-        self.w_uk = _normal(rngs, (nh, cfg.qk_nope_head_dim, cfg.kv_lora_rank), dtype)
-        self.w_uv = _normal(rngs, (nh, cfg.v_head_dim, cfg.kv_lora_rank), dtype)
-        self.o_proj = _normal(rngs, (nh * cfg.v_head_dim, h), dtype)
+        self.param_dtype = dtype
+        init_params(self, rngs)
 
     def _inv_freq(self):
         return yarn_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
@@ -121,10 +144,18 @@ class MLA(nnx.Module):
 class DenseMLP(nnx.Module):
     """SwiGLU feed-forward (dense layer 0 and the shared expert)."""
 
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """gate/up `[H, I]`, down `[I, H]`; the inner dim split over `ffn`."""
+        h, i, dt = self.hidden, self.inner, self.param_dtype
+        return {
+            "gate_proj": WeightSpec((h, i), dt, (None, "ffn"), "gate_proj.weight"),
+            "up_proj": WeightSpec((h, i), dt, (None, "ffn"), "up_proj.weight"),
+            "down_proj": WeightSpec((i, h), dt, ("ffn", None), "down_proj.weight"),
+        }
+
     def __init__(self, hidden: int, inner: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
-        self.gate_proj = _normal(rngs, (hidden, inner), dtype)
-        self.up_proj = _normal(rngs, (hidden, inner), dtype)
-        self.down_proj = _normal(rngs, (inner, hidden), dtype)
+        self.hidden, self.inner, self.param_dtype = hidden, inner, dtype
+        init_params(self, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
@@ -135,17 +166,22 @@ class Int4Experts(nnx.Module):
     checkpoint-native `[E, N, K]` (gate_up_q `[E, 2I, H]`, down_q `[E, H, I]`), scales group-major `[E, K/G, N]`
     (gate_up_s `[E, H/G, 2I]`, down_s `[E, I/G, H]`) so one group's scales for a block of rows are contiguous."""
 
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """Experts split over `experts`. No single HF name: the checkpoint holds one packed INT4 linear per expert
+        and projection (`checkpoint.expert_names`), which the loader stacks."""
+        n, h, i, g = self.n, self.hidden, self.inner, self.group
+        experts = ("experts", None, None)
+        scale = Full(0.02 / 4.3)  # |q| ~ 4.3 on average: initial weights of std ~ 0.02
+        return {
+            "gate_up_q": WeightSpec((n, 2 * i, h), jnp.int4, experts, init=UniformInt4()),
+            "gate_up_s": WeightSpec((n, h // g, 2 * i), jnp.bfloat16, experts, init=scale, scale_of="gate_up_q"),
+            "down_q": WeightSpec((n, h, i), jnp.int4, experts, init=UniformInt4()),
+            "down_s": WeightSpec((n, i // g, h), jnp.bfloat16, experts, init=scale, scale_of="down_q"),
+        }
+
     def __init__(self, n: int, hidden: int, inner: int, group: int, *, rngs: nnx.Rngs):
-        def q(shape):
-            return nnx.Param(jax.random.randint(rngs.params(), shape, -7, 8, jnp.int32).astype(jnp.int4))
-
-        def s(shape, fan_in):
-            return nnx.Param(jnp.full(shape, 0.02 / 4.3 if fan_in else 0.0, jnp.bfloat16))
-
-        self.gate_up_q = q((n, 2 * inner, hidden))
-        self.gate_up_s = s((n, hidden // group, 2 * inner), hidden)
-        self.down_q = q((n, hidden, inner))
-        self.down_s = s((n, inner // group, hidden), inner)
+        self.n, self.hidden, self.inner, self.group = n, hidden, inner, group
+        init_params(self, rngs)
 
     def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, kernels: Kernels) -> jax.Array:
         return sharding.moe_swiglu(  # expert-parallel under an active mesh, else dispatch.moe_swiglu
@@ -167,9 +203,18 @@ class DenseExperts(nnx.Module):
     differentiable, meant for small models.
     """
 
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """Experts split over `experts`; the checkpoint holds one linear per expert and projection, stacked by the
+        loader."""
+        n, h, i, dt = self.n, self.hidden, self.inner, self.param_dtype
+        return {
+            "gate_up": WeightSpec((n, h, 2 * i), dt, ("experts", None, None)),
+            "down": WeightSpec((n, i, h), dt, ("experts", None, None)),
+        }
+
     def __init__(self, n: int, hidden: int, inner: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
-        self.gate_up = _normal(rngs, (n, hidden, 2 * inner), dtype)
-        self.down = _normal(rngs, (n, inner, hidden), dtype)
+        self.n, self.hidden, self.inner, self.param_dtype = n, hidden, inner, dtype
+        init_params(self, rngs)
 
     def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, kernels: Kernels) -> jax.Array:
         """As `Int4Experts`; plain JAX whatever `kernels` selects."""
@@ -185,12 +230,23 @@ class DenseExperts(nnx.Module):
 class MoE(nnx.Module):
     """Sigmoid `noaux_tc` routing + routed experts + shared expert (kimi_k2.md §4)."""
 
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """The router `[H, E]` and its f32 correction bias `[E]`, replicated (experts and shared expert are
+        submodules)."""
+        e = self.cfg.n_routed_experts
+        return {
+            "gate": WeightSpec((self.cfg.hidden_size, e), self.param_dtype, (None, None), "gate.weight"),
+            "e_score_correction_bias": WeightSpec(
+                (e,), jnp.float32, (None,), "gate.e_score_correction_bias", COPY, init=Full(0.0)
+            ),
+        }
+
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, quantized: bool = True):
         self.cfg = cfg
         self.record_load = False  # training sets this to sow per-expert token counts ("expert_load", [E])
+        self.param_dtype = dtype
         h, e, i = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-        self.gate = _normal(rngs, (h, e), dtype)
-        self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
+        init_params(self, rngs)
         if quantized:
             group = cfg.quant.group_size if cfg.quant else 32
             self.experts = Int4Experts(e, h, i, group, rngs=rngs)
@@ -235,10 +291,17 @@ class MoE(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """The two pre-norm gains `[H]` (attention and FFN are submodules)."""
+        return {
+            "input_layernorm": norm_spec(self.hidden, self.param_dtype, "input_layernorm.weight"),
+            "post_attention_layernorm": norm_spec(self.hidden, self.param_dtype, "post_attention_layernorm.weight"),
+        }
+
     def __init__(self, cfg: KimiConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, quantized: bool = True):
         self.eps = cfg.rms_norm_eps
-        self.input_layernorm = _ones((cfg.hidden_size,), dtype)
-        self.post_attention_layernorm = _ones((cfg.hidden_size,), dtype)
+        self.hidden, self.param_dtype = cfg.hidden_size, dtype
+        init_params(self, rngs)
         self.self_attn = MLA(cfg, rngs=rngs, dtype=dtype)
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, quantized=quantized)
@@ -272,15 +335,27 @@ class ForwardOut(NamedTuple):
 class KimiForCausalLM(nnx.Module):
     """The target model. `quantized` (default: the config has a quant section) selects INT4 routed experts."""
 
+    def param_specs(self) -> dict[str, WeightSpec]:
+        """Embedding `[V, H]` (replicated), final norm, lm_head `[H, V]` (split over `vocab`; in the checkpoint
+        beside the model body, not in it)."""
+        c, dt = self.config, self.param_dtype
+        return {
+            "embed_tokens": WeightSpec(
+                (c.vocab_size, c.hidden_size), dt, (None, None), "embed_tokens.weight", COPY, init=Normal(1.0)
+            ),
+            "norm": norm_spec(c.hidden_size, dt, "norm.weight"),
+            "lm_head": WeightSpec((c.hidden_size, c.vocab_size), dt, (None, "vocab"), "lm_head.weight", hf_root=True),
+        }
+
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, quantized: bool | None = None):
         self.config = cfg
+        self.param_dtype = dtype
         quantized = cfg.quant is not None if quantized is None else quantized
-        self.embed_tokens = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, std=1.0)
+        init_params(self, rngs, ("embed_tokens",))  # drawn before the layers' weights, the rest after
         self.layers = nnx.List(
             [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, quantized=quantized) for i in range(cfg.num_hidden_layers)]
         )
-        self.norm = _ones((cfg.hidden_size,), dtype)
-        self.lm_head = _normal(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+        init_params(self, rngs, tuple(n for n in self.param_specs() if n != "embed_tokens"))
 
     @property
     def dtype(self):
@@ -329,3 +404,10 @@ class KimiForCausalLM(nnx.Module):
                 by_layer[i] = h
         features = jnp.concatenate([by_layer[i] for i in feature_layers], axis=-1) if feature_layers else None
         return ForwardOut(rms_norm(h, self.norm[...], self.config.rms_norm_eps), features, new_cache)
+
+
+@functools.lru_cache(maxsize=16)
+def weight_table(cfg: KimiConfig, dtype=jnp.bfloat16, quantized: bool | None = None) -> Mapping[ParamPath, WeightSpec]:
+    """Every weight declaration of the target built from `cfg`, by param path (no array is allocated)."""
+    model = nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, quantized=quantized))
+    return types.MappingProxyType(param_table(model))
