@@ -4,6 +4,7 @@ stdout, human units on stderr, the memory plan, and this machine's check."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,13 +65,14 @@ def test_model_sizes_real_configs(name):
     assert round(got["decode_fixed_bytes"] / 1e9, 1) == 21.1
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ddtree_jax.inspect", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
+        env=None if env is None else os.environ | env,
     )
 
 
@@ -160,3 +162,17 @@ def test_cli_explicit_method_needs_drafter(method):
 def test_cli_plan_needs_both_sizes():
     out = _cli(f"--target={CONFIGS / 'kimi-k2.6'}", "--batch_size=4")
     assert out.returncode == 2 and "error: --batch_size and --max_len go together" in out.stderr
+
+
+def test_cli_hub_ids_from_the_offline_cache(tmp_path):
+    from test_hub import write_hub_model
+
+    write_hub_model(tmp_path, "moonshotai/Kimi-K2.6", {"config.json": (CONFIGS / "kimi-k2.6/config.json").read_bytes()})
+    env = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    out = _cli("--target=moonshotai/Kimi-K2.6", "--nomachine", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == spec_numbers()
+    missing = _cli("--target=moonshotai/Kimi-K2.6", "--drafter=z-lab/Kimi-K2.5-DFlash", env=env)
+    assert missing.returncode == 2 and missing.stdout == ""
+    lines = missing.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: z-lab/Kimi-K2.5-DFlash: no such local directory")
