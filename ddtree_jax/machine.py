@@ -95,8 +95,8 @@ def advise(
 
     mesh: the user's `--mesh` (checked as given); None: the engine's default layout if it fits, else the layout
     that needs the least memory per device. Keys: fits, mesh, total_bytes (per device), mem_fraction (None: the
-    fraction in effect is enough) and that layout's plan; on a CPU only `fits: None` (nothing to check); for a
-    `mesh` of another device count, `fits: False` and the problem.
+    fraction in effect is enough) and that layout's plan; only `fits: None` on a CPU, or a device that reports no
+    memory (nothing to check); for a `mesh` of another device count, `fits: False` and the problem.
     """
     if not devices.accelerator or devices.card_bytes is None:
         return {"fits": None}
@@ -140,8 +140,10 @@ def report(
 def report_text(r: dict[str, Any]) -> list[str]:
     """`report(...)` for a person: the devices, then whether the run fits and with which settings."""
     b, indent = memory.fmt_bytes, " " * 16
+    if r["fits"] is None and r["platform"] == "cpu":
+        return [f"this machine    no accelerator ({r['devices']} cpu device): no memory plan to check"]
     if r["fits"] is None:
-        return [f"this machine    no accelerator ({r['devices']} {r['platform']} device): no memory plan to check"]
+        return [f"this machine    {r['devices']} x {r['kind']}: reports no memory, no memory plan to check"]
     head = (
         f"this machine    {r['devices']} x {r['kind']}, {b(r['device_bytes'])} each (XLA may use "
         f"{b(r['device_limit_bytes'])} at {MEM_FRACTION_ENV}={r['mem_fraction_in_effect']:g})"

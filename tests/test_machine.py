@@ -79,3 +79,9 @@ def test_no_accelerator(pair):
 @pytest.mark.parametrize(("need", "card", "want"), [(50, 100, 0.5), (50.1, 100, 0.55), (81.3, 141, 0.6)])
 def test_needed_fraction(need: float, card: float, want: float):
     assert machine.needed_fraction(int(need * GB), int(card * GB)) == want
+
+
+def test_device_without_memory_stats(pair):
+    r = machine.report(machine.Devices(2, "gpu", "Some GPU", None, 0.75), *pair, mesh=None, **RUN)
+    assert r["fits"] is None
+    assert machine.report_text(r) == ["this machine    2 x Some GPU: reports no memory, no memory plan to check"]
