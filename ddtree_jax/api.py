@@ -82,13 +82,16 @@ class Generator:
         dtype=jnp.bfloat16,
         mesh: str | None = None,
     ) -> Generator:
-        """Load HF-format checkpoints (the target's tokenizer too, when the directory has one).
+        """Load HF-format checkpoints, each a directory or a Hugging Face model id (`ddtree_jax.hub`), and the
+        target's tokenizer when it has one.
 
         mesh: as in `__init__`; each target tensor goes straight to its shards as it is read."""
         from ddtree_jax.checkpoint import load_target
         from ddtree_jax.dflash_checkpoint import load_drafter
+        from ddtree_jax.hub import resolve_checkpoint
         from ddtree_jax.tokenizer import has_tokenizer, load_tokenizer
 
+        target_dir, drafter_dir = resolve_checkpoint(target_dir), drafter_dir and resolve_checkpoint(drafter_dir)
         mesh = sharding.resolve_mesh(mesh)
         place = sharding.sharding_fn(mesh) if mesh is not None else None
         target = load_target(target_dir, dtype=dtype, sharding_fn=place)

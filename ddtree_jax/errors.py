@@ -1,8 +1,10 @@
-"""User-facing failures: one line on stderr, exit code 2, no traceback (set DDTREE_DEBUG=1 to see one)."""
+"""User-facing failures: one line on stderr, exit code 2, no traceback (set DDTREE_DEBUG=1 to see one); `run_app`,
+the absl runner every CLI of the project goes through."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -74,6 +76,36 @@ def parse_flags(argv: list[str]) -> list[str]:
         fail(e)
 
 
+def _help_for_main_module(main: Callable[[list[str]], Any]) -> None:
+    """Make `--help` describe `main`'s module when it is not `__main__` (a console script such as
+    `ddtree-generate`): absl's short help lists only the key flags of the module named `sys.argv[0]`, and shows
+    `__main__`'s docstring, and a console script's `__main__` is a generated shim with neither."""
+    module = sys.modules[main.__module__]
+    if module.__name__ == "__main__":
+        return
+    for flag in flags.FLAGS.get_flags_for_module(module.__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    shim = sys.modules["__main__"]
+    if not shim.__doc__:
+        shim.__doc__ = module.__doc__
+
+
+class _DropBackendProbe(logging.Filter):
+    """Drops JAX's `Unable to initialize backend 'tpu'` (INFO): a probe for absent hardware, not a problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO and record.getMessage().startswith("Unable to initialize backend"))
+
+
+def _quiet_backend_probes() -> None:
+    """Keep JAX's start-up probes for backends the machine lacks off stderr (kept with DDTREE_DEBUG=1)."""
+    if not _debug():
+        logging.getLogger("jax._src.xla_bridge").addFilter(_DropBackendProbe())
+
+
 def run_app(main: Callable[[list[str]], Any]) -> None:
-    """`app.run` for every CLI of the project: user errors and unparsable flags become one `error:` line, exit 2."""
+    """`app.run` for every CLI of the project: user errors and unparsable flags become one `error:` line, exit 2;
+    `--help` lists `main`'s module's flags, and JAX's probes for absent backends stay off stderr."""
+    _help_for_main_module(main)
+    _quiet_backend_probes()
     app.run(cli_main(main), flags_parser=parse_flags)

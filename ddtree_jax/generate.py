@@ -2,11 +2,12 @@
 
     ddtree-generate --target=K2.6 --drafter=K2.6-DFlash --prompts=in.jsonl --output=out.jsonl
 
-Everything that can be checked (flags, configs, tokenizer, prompts, lengths) is checked before any weight is
-loaded; bad input is a one-line `error:` with exit code 2. Each finished batch is written to --output at once
-(atomically), in input order; --resume skips ids already there. Before loading, the run's per-device memory
-(`ddtree_jax.memory.plan`) is compared with the device's free memory ($DDTREE_FREE_BYTES overrides it) and a
-run that cannot fit is refused with what would.
+--target and --drafter are directories or Hugging Face model ids (`ddtree_jax.hub`). Everything that can be
+checked (flags, configs, tokenizer, prompts, lengths) is checked before any weight is loaded (or downloaded); bad
+input is a one-line `error:` with exit code 2. Each finished batch is written to --output at once (atomically), in
+input order; an existing --output is refused unless --overwrite (replace it) or --resume (skip the ids already
+there). Before loading, the run's per-device memory (`ddtree_jax.memory.plan`) is compared with the device's free
+memory ($DDTREE_FREE_BYTES overrides it) and a run that cannot fit is refused with what would.
 """
 
 from __future__ import annotations
@@ -23,25 +24,33 @@ from absl import flags, logging
 from ddtree_jax import memory
 from ddtree_jax.config import DFlashConfig, check_pair, load_dflash_config, load_kimi_config
 from ddtree_jax.errors import UserError, run_app
+from ddtree_jax.hub import METADATA_FILES, resolve_checkpoint
 from ddtree_jax.mesh_spec import parse_mesh_spec
 from ddtree_jax.prompts import OutputWriter, Prompt, check_lengths, read_prompts
 from ddtree_jax.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", None, "Target checkpoint directory (Kimi K2 family).")
-flags.DEFINE_string("drafter", None, "DFlash drafter checkpoint directory (needed by dflash and ddtree).")
+flags.DEFINE_string("target", None, "Target checkpoint (Kimi K2 family): a directory or a Hugging Face model id.")
+flags.DEFINE_string(
+    "drafter", None, "DFlash drafter checkpoint, a directory or a Hugging Face model id (needed by dflash and ddtree)."
+)
 flags.DEFINE_enum("method", "ddtree", ["ar", "dflash", "ddtree"], "Decoding method.")
 flags.DEFINE_integer("budget", 16, "DDTree node budget per round.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate per prompt.")
-flags.DEFINE_string("prompts", None, 'JSON Lines: {"id", "prompt": text} or {"id", "prompt_ids": [...]}.')
+flags.DEFINE_string(
+    "prompts",
+    None,
+    'JSON Lines: {"id", "prompt": text}, {"id", "prompt_ids": [...]} or {"id", "messages": [{"role", "content"}]}.',
+)
 flags.DEFINE_string("output", None, "JSON Lines results, in input order.")
 flags.DEFINE_integer("batch_size", 8, "Prompts per batch.")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Activation / weight dtype.")
 flags.DEFINE_bool("ignore_eos", False, "Generate max_new_tokens even past a stop token.")
 flags.DEFINE_integer("seed", 0, "Sampling seed; a request's samples depend only on (seed, its index in --prompts).")
 flags.DEFINE_bool("resume", False, "Keep the existing --output and skip the ids already in it.")
-flags.DEFINE_bool("chat", False, "Wrap text prompts in the checkpoint's chat format.")
+flags.DEFINE_bool("overwrite", False, "Replace an existing --output (refused without this or --resume).")
+flags.DEFINE_bool("chat", False, "Wrap text prompts in the checkpoint's chat format (messages rows always are).")
 flags.DEFINE_string(
     "mesh",
     None,
@@ -72,6 +81,10 @@ def validate_flags() -> None:
         raise UserError(f"--output directory {out.absolute().parent} does not exist")
     if out.resolve() == Path(FLAGS.prompts).resolve():
         raise UserError(f"--output {out} is the prompts file")
+    if FLAGS.resume and FLAGS.overwrite:
+        raise UserError("--resume keeps --output and --overwrite replaces it: pass one of them")
+    if out.exists() and not (FLAGS.resume or FLAGS.overwrite):
+        raise UserError(f"--output {out} exists: pass --overwrite to replace it or --resume to continue it")
 
 
 def draft_slots(method: str, drafter: DFlashConfig | None) -> int:
@@ -138,15 +151,20 @@ def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     validate_flags()
-    target_cfg = load_kimi_config(FLAGS.target)
-    drafter_cfg = load_dflash_config(FLAGS.drafter) if FLAGS.drafter else None
+    target_dir = resolve_checkpoint(FLAGS.target, METADATA_FILES)
+    drafter_dir = resolve_checkpoint(FLAGS.drafter, METADATA_FILES) if FLAGS.drafter else None
+    target_cfg = load_kimi_config(target_dir)
+    drafter_cfg = load_dflash_config(drafter_dir) if drafter_dir else None
     context_limit = target_cfg.max_position_embeddings
     if drafter_cfg is not None:
         check_pair(target_cfg, drafter_cfg)
         context_limit = min(context_limit, drafter_cfg.max_position_embeddings)
         if FLAGS.method == "ddtree":
             warn_budget(FLAGS.budget, drafter_cfg)
-    tokenizer = load_tokenizer(FLAGS.target) if has_tokenizer(FLAGS.target) else None
+    tokenizer = load_tokenizer(target_dir) if has_tokenizer(target_dir) else None
+    if FLAGS.chat and (tokenizer is None or not tokenizer.has_chat_format):
+        missing = "no tokenizer" if tokenizer is None else "a tokenizer without a chat format (tokenizer.json)"
+        raise UserError(f"--chat: {FLAGS.target} has {missing}; Kimi's tiktoken.model has the chat format")
     prompts = read_prompts(FLAGS.prompts, tokenizer, target_cfg.vocab_size, chat=FLAGS.chat)
     check_lengths(prompts, FLAGS.max_new_tokens, context_limit, draft_slots(FLAGS.method, drafter_cfg))
     writer = OutputWriter(FLAGS.output, [p.id for p in prompts], resume=FLAGS.resume)

@@ -1,53 +1,67 @@
-"""`ddtree-inspect --target=DIR`: model sizes from a checkpoint's config.json alone, printed as JSON.
+"""`ddtree-inspect --target=DIR`: model sizes from a checkpoint's config.json alone, printed as JSON on stdout,
+and the same in human units (GB, T params) on stderr.
 
-Keys: total_params, active_params_per_token, weight_bytes, kv_cache_bytes_per_token, decode_bytes_per_token,
+--target / --drafter are directories (or a config.json) or Hugging Face model ids (only config.json is fetched).
+JSON keys: total_params, active_params_per_token, weight_bytes, kv_cache_bytes_per_token, decode_bytes_per_token,
 decode_fixed_bytes, expert_bytes (see `ddtree_jax.sizing.model_sizes`). No weight file is opened.
 
 With --batch_size and --max_len it adds "plan": the per-device memory plan `ddtree-generate` checks before
-loading (`ddtree_jax.memory.plan`, for --method/--budget/--mesh, the drafter of --drafter); with --device_gb
-also whether it fits that much memory, the largest batch at --max_len and the longest context at --batch_size.
+loading (`ddtree_jax.memory.plan`, for --method/--budget/--mesh, the drafter of --drafter; without --drafter and
+no --method given, the plan is for `ar`); with --device_gb also whether it fits that much memory, the largest
+batch at --max_len and the longest context at --batch_size.
+
+"machine" (--machine, the default) describes this machine's devices and whether that plan (or, without
+--batch_size/--max_len, batch 1 at a context of min(8192, the model's)) fits them, with the --mesh and the
+XLA_PYTHON_CLIENT_MEM_FRACTION it needs (`ddtree_jax.machine.advise`).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 from absl import flags
 
-from ddtree_jax import memory
-from ddtree_jax.config import check_pair, load_dflash_config, load_kimi_config
+from ddtree_jax import machine, memory
+from ddtree_jax.config import DFlashConfig, KimiConfig, check_pair, load_dflash_config, load_kimi_config
 from ddtree_jax.errors import UserError, run_app
+from ddtree_jax.hub import resolve_checkpoint
 from ddtree_jax.sizing import model_sizes
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", None, "Target checkpoint directory (or its config.json).")
-flags.DEFINE_string("drafter", None, "DFlash drafter checkpoint directory (counted for dflash / ddtree plans).")
+flags.DEFINE_string("target", None, "Target checkpoint: a directory (or its config.json) or a Hugging Face model id.")
+flags.DEFINE_string(
+    "drafter", None, "DFlash drafter checkpoint, a directory or a Hugging Face model id (for dflash / ddtree plans)."
+)
 flags.DEFINE_integer("batch_size", None, "Batch for the memory plan (with --max_len).")
 flags.DEFINE_integer("max_len", None, "Context (prompt + new tokens) for the memory plan (with --batch_size).")
 flags.DEFINE_integer("prompt_len", None, "Prompt length the plan's prefill runs over; default: all of --max_len.")
-flags.DEFINE_enum("method", "ddtree", ["ar", "dflash", "ddtree"], "Decoding method of the plan.")
+flags.DEFINE_enum("method", "ddtree", ["ar", "dflash", "ddtree"], "Decoding method of the plan (ar without --drafter).")
 flags.DEFINE_integer("budget", 16, "DDTree node budget of the plan.")
 flags.DEFINE_string("mesh", None, 'Mesh of the plan, e.g. "expert=8"; default: one device.')
 flags.DEFINE_float("device_gb", None, "Free memory per device (GB) to check the plan against.")
+flags.DEFINE_bool("machine", True, "Check the plan against this machine's devices (count, kind, memory).")
 flags.mark_flag_as_required("target")
 
+MACHINE_CONTEXT = 8192  # the context of the machine check when no --max_len is given
 
-def memory_report() -> dict:
+
+def plan_method() -> str:
+    """--method, except `ar` when no --drafter is given and --method was left at its default."""
+    if FLAGS.method != "ar" and not FLAGS.drafter:
+        if FLAGS["method"].present:
+            raise UserError(f"--method={FLAGS.method} needs --drafter")
+        return "ar"
+    return FLAGS.method
+
+
+def memory_report(target: KimiConfig, drafter: DFlashConfig | None) -> dict:
     """The "plan" entry: `memory.plan(...).to_dict()`, plus fits / largest_batch / longest_context for
     --device_gb."""
-    if FLAGS.batch_size is None or FLAGS.max_len is None:
-        raise UserError("--batch_size and --max_len go together")
-    if FLAGS.batch_size < 1 or FLAGS.max_len < 1 or FLAGS.budget < 1:
-        raise UserError("--batch_size, --max_len and --budget must be >= 1")
-    if FLAGS.method != "ar" and not FLAGS.drafter:
-        raise UserError(f"--method={FLAGS.method} needs --drafter")
-    target = load_kimi_config(FLAGS.target)
-    drafter = load_dflash_config(FLAGS.drafter) if FLAGS.drafter else None
-    if drafter is not None:
-        check_pair(target, drafter)
     kw = {
-        "method": FLAGS.method,
+        "method": plan_method(),
         "budget": FLAGS.budget,
         "layout": memory.Layout.from_spec(FLAGS.mesh) if FLAGS.mesh else memory.Layout(),
     }
@@ -68,13 +82,84 @@ def memory_report() -> dict:
     return report
 
 
+def machine_report(target: KimiConfig, drafter: DFlashConfig | None) -> dict[str, Any]:
+    """The "machine" entry (`machine.report`) for the plan's run, or batch 1 at MACHINE_CONTEXT when no plan
+    was asked for."""
+    max_len = FLAGS.max_len or min(MACHINE_CONTEXT, target.max_position_embeddings)
+    run = {"batch": FLAGS.batch_size or 1, "max_len": max_len, "prompt_len": FLAGS.prompt_len}
+    run |= {"method": plan_method(), "budget": FLAGS.budget}
+    return machine.report(machine.local_devices(), target, drafter, mesh=FLAGS.mesh, **run)
+
+
+# ---- human units ---------------------------------------------------------------------------------------------
+
+
+def fmt_count(n: float) -> str:
+    """1.0264e12 -> "1.03 T", 3.17e10 -> "31.7 B", 2.1e7 -> "21 M": three significant digits, decimal units."""
+    unit, scale = next(((u, s) for u, s in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)) if n >= s), ("", 1))
+    return f"{n / scale:.3g} {unit}".rstrip()
+
+
+def sizes_text(sizes: dict[str, int]) -> list[str]:
+    b = memory.fmt_bytes
+    return [
+        f"parameters      {fmt_count(sizes['total_params'])} params, {fmt_count(sizes['active_params_per_token'])} "
+        "active per token",
+        f"weights         {b(sizes['weight_bytes'])} as stored (one routed expert {b(sizes['expert_bytes'])})",
+        f"KV cache        {b(sizes['kv_cache_bytes_per_token'])} per token",
+        f"decode reads    {b(sizes['decode_bytes_per_token'])} of weights per step at batch 1 "
+        f"({b(sizes['decode_fixed_bytes'])} besides the routed experts)",
+    ]
+
+
+def plan_text(plan: dict[str, Any]) -> list[str]:
+    b = memory.fmt_bytes
+    method = plan["method"] if plan["method"] != "ddtree" else f"ddtree budget {plan['budget']}"
+    mesh = machine.mesh_spec(memory.Layout(**plan["layout"]))
+    lines = [
+        f"plan            batch {plan['batch']} x {plan['max_len']} tokens ({method}, --mesh={mesh}): "
+        f"{b(plan['total_bytes'])} per device",
+        f"                weights {b(plan['weight_bytes'])}, target cache {b(plan['target_cache'])}, drafter cache "
+        f"{b(plan['drafter_cache'])}, workspace {b(max(plan['workspace'].values()))}",
+    ]
+    if "fits" in plan:
+        lines.append(
+            f"                {'fits' if plan['fits'] else 'does not fit'} {b(plan['device_bytes'])}: largest batch "
+            f"{plan['largest_batch']} at this context, longest context {plan['longest_context']} at this batch"
+        )
+    return lines
+
+
+def human_summary(out: dict[str, Any]) -> str:
+    lines = sizes_text(out)
+    if "plan" in out:
+        lines += plan_text(out["plan"])
+        if plan_method() != FLAGS.method:
+            lines.append(f"                no --drafter: planned for --method=ar, not {FLAGS.method}")
+    if "machine" in out:
+        lines += machine.report_text(out["machine"])
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-    out = model_sizes(load_kimi_config(FLAGS.target))
-    if FLAGS.batch_size is not None or FLAGS.max_len is not None:
-        out["plan"] = memory_report()
+    if (FLAGS.batch_size is None) != (FLAGS.max_len is None):
+        raise UserError("--batch_size and --max_len go together")
+    if any(v is not None and v < 1 for v in (FLAGS.batch_size, FLAGS.max_len)) or FLAGS.budget < 1:
+        raise UserError("--batch_size, --max_len and --budget must be >= 1")
+    plan_method()  # a --method that needs a drafter fails before anything is read
+    target = load_kimi_config(resolve_checkpoint(FLAGS.target, ("config.json",)))
+    drafter = load_dflash_config(resolve_checkpoint(FLAGS.drafter, ("config.json",))) if FLAGS.drafter else None
+    if drafter is not None:
+        check_pair(target, drafter)
+    out: dict[str, Any] = model_sizes(target)
+    if FLAGS.batch_size is not None:
+        out["plan"] = memory_report(target, drafter)
+    if FLAGS.machine:
+        out["machine"] = machine_report(target, drafter)
     print(json.dumps(out, indent=2))
+    print(human_summary(out), file=sys.stderr)
 
 
 def run() -> None:

@@ -11,16 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_jax.errors import UserError
-from ddtree_jax.tokenizer import Tokenizer
+from ddtree_jax.tokenizer import Tokenizer, check_messages
 
 PromptId = str | int
+PROMPT_KINDS = ("prompt", "prompt_ids", "messages")  # a prompt line has exactly one of these
 
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     id: PromptId
     token_ids: tuple[int, ...]
-    text: str | None  # None for `prompt_ids` input
+    text: str | None  # None for `prompt_ids` and `messages` input
 
 
 def _is_id(v: Any) -> bool:
@@ -28,9 +29,11 @@ def _is_id(v: Any) -> bool:
 
 
 def read_prompts(path: str | Path, tokenizer: Tokenizer | None, vocab_size: int, chat: bool = False) -> list[Prompt]:
-    """Read `{"id", "prompt": text}` / `{"id", "prompt_ids": [...]}` lines; blank lines are skipped.
+    """Read `{"id", "prompt": text}` / `{"id", "prompt_ids": [...]}` / `{"id", "messages": [{"role", "content"},
+    ...]}` lines (the last in the OpenAI chat convention); blank lines are skipped.
 
-    Text goes through `tokenizer` (its chat format when `chat`); every id must lie in [0, vocab_size).
+    Text goes through `tokenizer` (its chat format when `chat`), messages always through its chat format; a
+    tokenizer without one is an error, never a plain encode. Every id must lie in [0, vocab_size).
     """
     p = Path(path)
     try:
@@ -69,30 +72,47 @@ def _parse_line(line: str, where: str, tokenizer: Tokenizer | None, vocab_size: 
     if "id" not in rec or not _is_id(rec["id"]):
         raise UserError(f"{where}: missing 'id' (a string or an integer)")
     pid = rec["id"]
-    has_text, has_ids = "prompt" in rec, "prompt_ids" in rec
-    if has_text == has_ids:
-        raise UserError(f"{where}: prompt {pid!r} needs exactly one of 'prompt' and 'prompt_ids'")
-    if has_ids:
+    kinds = [k for k in PROMPT_KINDS if k in rec]
+    if len(kinds) != 1:
+        raise UserError(f"{where}: prompt {pid!r} needs exactly one of 'prompt', 'prompt_ids' and 'messages'")
+    text = None
+    if kinds == ["prompt_ids"]:
         ids = rec["prompt_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise UserError(f"{where}: prompt {pid!r}: 'prompt_ids' must be a list of integers")
-        text = None
+    elif kinds == ["messages"]:
+        try:
+            messages = check_messages(rec["messages"])
+        except UserError as e:
+            raise UserError(f"{where}: prompt {pid!r}: {e}") from None
+        _check_chat_format(tokenizer, where, f"prompt {pid!r} has 'messages'")
+        ids = tokenizer.encode_messages(messages)
     else:
         text = rec["prompt"]
         if not isinstance(text, str):
             raise UserError(f"{where}: prompt {pid!r}: 'prompt' must be a string")
         if not text:
             ids = []
+        elif chat:
+            _check_chat_format(tokenizer, where, f"prompt {pid!r} is text for --chat")
+            ids = tokenizer.encode_chat(text)
         elif tokenizer is None:
             raise UserError(f"{where}: prompt {pid!r} is text, but the checkpoint has no tokenizer")
         else:
-            ids = tokenizer.encode_chat(text) if chat else tokenizer.encode(text)
+            ids = tokenizer.encode(text)
     if not ids:
         raise UserError(f"{where}: prompt {pid!r} is empty")
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
         raise UserError(f"{where}: prompt {pid!r}: token id {bad} outside the vocabulary [0, {vocab_size})")
     return Prompt(pid, tuple(ids), text)
+
+
+def _check_chat_format(tokenizer: Tokenizer | None, where: str, what: str) -> None:
+    if tokenizer is None:
+        raise UserError(f"{where}: {what}, but the checkpoint has no tokenizer")
+    if not tokenizer.has_chat_format:
+        raise UserError(f"{where}: {what}, but the checkpoint's tokenizer has no chat format")
 
 
 def check_lengths(prompts: Iterable[Prompt], max_new_tokens: int, context_limit: int, extra: int = 0) -> None:

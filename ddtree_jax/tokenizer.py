@@ -7,6 +7,7 @@ import ast
 import base64
 import binascii
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ddtree_jax.errors import UserError
@@ -62,11 +63,40 @@ class TokenizerError(UserError):
     """A tokenizer file we cannot use; the message names the file."""
 
 
+CHAT_ROLES = ("system", "user", "assistant")  # the roles a chat message may have
+Message = Mapping[str, str]  # {"role": one of CHAT_ROLES, "content": text}
+
+
+def check_messages(messages: object) -> list[Message]:
+    """`messages` as a conversation: a non-empty list of `{"role", "content"}` objects, roles in CHAT_ROLES,
+    contents strings, no other keys (nothing a chat format here cannot render). Raises a one-line `UserError`."""
+    if not isinstance(messages, list | tuple) or not messages:
+        got = "an empty list" if isinstance(messages, list | tuple) else f"a {type(messages).__name__}"
+        raise UserError(f"'messages' must be a non-empty list of {{role, content}} objects, got {got}")
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict):
+            raise UserError(f"message {i} is a {type(m).__name__}, not a {{role, content}} object")
+        if m.get("role") not in CHAT_ROLES:
+            raise UserError(f"message {i}: 'role' must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise UserError(f"message {i} ({m['role']}): 'content' must be a string")
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise UserError(f"message {i} ({m['role']}): cannot render keys {', '.join(extra)} (only role, content)")
+    return list(messages)
+
+
+# Kimi's chat format opens each message with the role's marker token and name.
+_KIMI_ROLE_MARKERS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>"}
+
+
 class Tokenizer(abc.ABC):
-    """Text <-> ids for one checkpoint. `vocab_size` counts the specials; `stop_ids` end generation."""
+    """Text <-> ids for one checkpoint. `vocab_size` counts the specials; `stop_ids` end generation;
+    `has_chat_format`: whether `encode_messages` / `encode_chat` can render a conversation."""
 
     vocab_size: int
     stop_ids: tuple[int, ...]
+    has_chat_format: bool
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]: ...
@@ -75,8 +105,14 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: list[int]) -> str: ...
 
     @abc.abstractmethod
+    def encode_messages(self, messages: Sequence[Message]) -> list[int]:
+        """A conversation (as `check_messages` takes it) ready for the assistant's reply; a `TokenizerError` when
+        the tokenizer has no chat format."""
+
     def encode_chat(self, user_text: str, system: str | None = None) -> list[int]:
-        """One user turn ready for the assistant's reply."""
+        """One user turn, after an optional system turn, ready for the assistant's reply."""
+        turns = [] if system is None else [{"role": "system", "content": system}]
+        return self.encode_messages([*turns, {"role": "user", "content": user_text}])
 
 
 class KimiTokenizer(Tokenizer):
@@ -84,6 +120,8 @@ class KimiTokenizer(Tokenizer):
 
     Like Kimi's own `encode`, special-token strings in text are encoded as special tokens.
     """
+
+    has_chat_format = True
 
     def __init__(self, ranks: dict[bytes, int], specials: dict[str, int], pat_str: str, name: str):
         import tiktoken
@@ -99,22 +137,29 @@ class KimiTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(list(ids))
 
-    def encode_chat(self, user_text: str, system: str | None = None) -> list[int]:
+    def encode_messages(self, messages: Sequence[Message]) -> list[int]:
         """Kimi's chat format (kimi_k2.md §7), hand-written: rendering `chat_template.jinja` needs jinja2.
 
-        `[<|im_system|>system<|im_middle|>{system}<|im_end|>]<|im_user|>user<|im_middle|>{user}<|im_end|>`
-        `<|im_assistant|>assistant<|im_middle|>`; no default system prompt (K2.5/K2.6 behaviour), and no
-        `<think>` appended: a thinking model opens its own.
+        Each message is `<|im_user|>user<|im_middle|>{content}<|im_end|>` (`<|im_system|>system...`,
+        `<|im_assistant|>assistant...` for the other roles), then `<|im_assistant|>assistant<|im_middle|>` opens
+        the reply. No default system prompt (K2.5/K2.6 behaviour), and no `<think>` appended: a thinking model
+        opens its own. Contents are encoded as given (special-token strings in them included).
         """
-        text = "" if system is None else f"<|im_system|>system<|im_middle|>{system}<|im_end|>"
-        text += f"<|im_user|>user<|im_middle|>{user_text}<|im_end|><|im_assistant|>assistant<|im_middle|>"
-        return self.encode(text)
+        text = "".join(
+            f"{_KIMI_ROLE_MARKERS[m['role']]}{m['role']}<|im_middle|>{m['content']}<|im_end|>"
+            for m in check_messages(messages)
+        )
+        return self.encode(text + "<|im_assistant|>assistant<|im_middle|>")
 
 
 class HFTokenizer(Tokenizer):
-    """A `tokenizers` tokenizer.json; it has no chat format, so `encode_chat` is a plain encode."""
+    """A `tokenizers` tokenizer.json. It has no chat format (its checkpoint's Jinja chat template is not rendered):
+    `encode_messages` / `encode_chat` raise `TokenizerError`."""
+
+    has_chat_format = False
 
     def __init__(self, path: Path):
+        self.path = path
         from tokenizers import Tokenizer as RawTokenizer
 
         try:
@@ -131,8 +176,8 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
-    def encode_chat(self, user_text: str, system: str | None = None) -> list[int]:
-        return self.encode(user_text if system is None else f"{system}\n\n{user_text}")
+    def encode_messages(self, messages: Sequence[Message]) -> list[int]:
+        raise TokenizerError(f"{self.path}: this tokenizer has no chat format (Kimi's tiktoken.model has one)")
 
 
 def _first_line(e: Exception) -> str:

@@ -156,6 +156,65 @@ def test_output_is_the_prompts_file(cli: Cli) -> None:
     assert (cli.tmp / "prompts.jsonl").read_text().startswith('{"id": "a"')
 
 
+def test_existing_output_refused_without_overwrite(cli: Cli) -> None:
+    cli.output.write_text("earlier results\n")
+    proc = cli.run()
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --output {cli.output} exists: pass --overwrite to replace it or --resume to continue it"]
+    assert cli.output.read_text() == "earlier results\n"
+
+
+def test_resume_and_overwrite_together_refused(cli: Cli) -> None:
+    cli.assert_user_error(cli.run(resume=True, overwrite=True), "--resume keeps --output and --overwrite replaces it")
+
+
+def test_chat_without_tokenizer_refused(cli: Cli) -> None:
+    (cli.target / "tiktoken.model").unlink()
+    cli.write_prompts({"id": "b", "prompt_ids": [1, 2, 3]})
+    cli.assert_user_error(cli.run(chat=True), "--chat:", "has no tokenizer")
+
+
+def test_chat_without_chat_format_refused(cli: Cli) -> None:
+    from tokenizers import Tokenizer, models
+
+    (cli.target / "tiktoken.model").unlink()
+    Tokenizer(models.WordLevel({"hello": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(cli.target / "tokenizer.json"))
+    cli.assert_user_error(cli.run(chat=True), "--chat:", "a tokenizer without a chat format")
+
+
+def test_messages_rows_need_a_chat_format(cli: Cli) -> None:
+    (cli.target / "tiktoken.model").unlink()
+    cli.write_prompts({"id": "m", "messages": [{"role": "user", "content": "hi"}]})
+    cli.assert_user_error(cli.run(), "prompts.jsonl:1: prompt 'm' has 'messages', but the checkpoint has no tokenizer")
+
+
+def test_hub_id_resolves_from_the_offline_cache(cli: Cli, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from test_hub import write_hub_model
+
+    cache = tmp_path_factory.mktemp("hub")
+    files = {"config.json": (cli.target / "config.json").read_bytes()}
+    write_hub_model(cache, "org/kimi-tiny", files | {"tiktoken.model": (cli.target / "tiktoken.model").read_bytes()})
+    write_hub_model(cache, "org/kimi-tiny-dflash", {"config.json": (cli.drafter / "config.json").read_bytes()})
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    cli.write_prompts()  # stops after the configs and tokenizer are read, before any weight
+    proc = cli.run(env=env, target="org/kimi-tiny", drafter="org/kimi-tiny-dflash")
+    cli.assert_user_error(proc, "prompts.jsonl: no prompts")
+
+
+def test_hub_id_missing_offline(cli: Cli, tmp_path_factory: pytest.TempPathFactory) -> None:
+    cache = tmp_path_factory.mktemp("hub")
+    proc = cli.run(env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}, target="moonshotai/Kimi-K2.6")
+    cli.assert_user_error(proc, "moonshotai/Kimi-K2.6: no such local directory", "HF_HUB_OFFLINE")
+
+
+def test_no_backend_probe_noise(cli: Cli) -> None:
+    # Stops at the memory check, after JAX has initialised its backends.
+    proc = cli.run(method="ar", drafter=None, env={"DDTREE_FREE_BYTES": "1000"})
+    cli.assert_user_error(proc, "not enough device memory")
+    assert "tpu" not in proc.stderr.lower(), proc.stderr
+
+
 def test_target_without_config(cli: Cli) -> None:
     (cli.target / "config.json").unlink()
     cli.assert_user_error(cli.run(), "target/config.json: config.json not found")
@@ -188,7 +247,8 @@ def test_prompt_line_not_json(cli: Cli) -> None:
 
 def test_prompt_without_prompt_field(cli: Cli) -> None:
     cli.write_prompts({"id": "q", "text": "hello"})
-    cli.assert_user_error(cli.run(), "prompts.jsonl:1: prompt 'q' needs exactly one of 'prompt' and 'prompt_ids'")
+    want = "prompts.jsonl:1: prompt 'q' needs exactly one of 'prompt', 'prompt_ids' and 'messages'"
+    cli.assert_user_error(cli.run(), want)
 
 
 def test_prompt_ids_outside_vocab(cli: Cli) -> None:

@@ -1,8 +1,10 @@
-"""`ddtree-inspect` / `sizing.model_sizes` on the real K2.6 and K2-Thinking configs (kimi_k2.md §4, §8)."""
+"""`ddtree-inspect` / `sizing.model_sizes` on the real K2.6 and K2-Thinking configs (kimi_k2.md §4, §8): JSON on
+stdout, human units on stderr, the memory plan, and this machine's check."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,20 +65,51 @@ def test_model_sizes_real_configs(name):
     assert round(got["decode_fixed_bytes"] / 1e9, 1) == 21.1
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ddtree_jax.inspect", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
+        env=None if env is None else os.environ | env,
     )
 
 
 def test_cli_prints_json():
-    out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}")
+    out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}", "--nomachine")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == spec_numbers()
+
+
+def test_cli_human_units_on_stderr():
+    out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}", "--nomachine")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "parameters      1.03 T params, 31.7 B active per token",
+        "weights         594.2 GB as stored (one routed expert 24.8 MB)",
+        "KV cache        70.3 KB per token",
+        "decode reads    33.0 GB of weights per step at batch 1 (21.1 GB besides the routed experts)",
+    ]
+
+
+def test_cli_machine_on_cpu():
+    out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got.pop("machine") | {"kind": None} == {
+        "devices": 1,
+        "platform": "cpu",
+        "kind": None,
+        "device_limit_bytes": None,
+        "device_bytes": None,
+        "mem_fraction_in_effect": None,
+        "run": {"batch": 1, "max_len": 8192, "prompt_len": None, "method": "ar", "budget": 16},
+        "fits": None,
+    }
+    assert got == spec_numbers()
+    assert out.stderr.splitlines()[-1] == "this machine    no accelerator (1 cpu device): no memory plan to check"
+    assert "tpu" not in out.stderr.lower()
 
 
 def test_cli_malformed_config(tmp_path):
@@ -95,7 +128,7 @@ def test_cli_prints_the_memory_plan():
 
     target, drafter = RELEASED_CONFIGS / "kimi-k2.6", RELEASED_CONFIGS / "kimi-k2.5-dflash"
     args = ["--batch_size=4", "--max_len=8192", "--prompt_len=1024", "--mesh=expert=8", "--device_gb=141"]
-    out = _cli(f"--target={target}", f"--drafter={drafter}", *args)
+    out = _cli(f"--target={target}", f"--drafter={drafter}", *args, "--nomachine")
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     plan = got.pop("plan")
@@ -108,8 +141,40 @@ def test_cli_prints_the_memory_plan():
     assert plan["largest_batch"] == memory.largest_batch(t, d, 141e9, max_len=8192, prompt_len=1024, **kw) > 4
     # With the chunked prefill a prompt filling the context no longer needs prompt^2 memory: beyond 8K fits.
     assert plan["longest_context"] > 8192
+    lines = out.stderr.splitlines()
+    assert lines[4] == "plan            batch 4 x 8192 tokens (ddtree budget 16, --mesh=expert=8): 114.7 GB per device"
+    assert lines[6].startswith(f"                fits 141.0 GB: largest batch {plan['largest_batch']} at this context")
+
+
+def test_cli_plan_without_drafter_is_ar():
+    out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}", "--batch_size=1", "--max_len=1024", "--nomachine")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["plan"]["method"] == "ar"
+    assert "no --drafter: planned for --method=ar, not ddtree" in out.stderr
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_cli_explicit_method_needs_drafter(method):
+    out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}", "--batch_size=1", "--max_len=1024", f"--method={method}")
+    assert out.returncode == 2 and out.stderr.strip() == f"error: --method={method} needs --drafter"
 
 
 def test_cli_plan_needs_both_sizes():
     out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}", "--batch_size=4")
     assert out.returncode == 2 and "error: --batch_size and --max_len go together" in out.stderr
+
+
+def test_cli_hub_ids_from_the_offline_cache(tmp_path):
+    from test_hub import write_hub_model
+
+    write_hub_model(
+        tmp_path, "moonshotai/Kimi-K2.6", {"config.json": (RELEASED_CONFIGS / "kimi-k2.6/config.json").read_bytes()}
+    )
+    env = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    out = _cli("--target=moonshotai/Kimi-K2.6", "--nomachine", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == spec_numbers()
+    missing = _cli("--target=moonshotai/Kimi-K2.6", "--drafter=z-lab/Kimi-K2.5-DFlash", env=env)
+    assert missing.returncode == 2 and missing.stdout == ""
+    lines = missing.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: z-lab/Kimi-K2.5-DFlash: no such local directory")

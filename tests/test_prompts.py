@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from ddtree_jax.errors import UserError
 from ddtree_jax.prompts import OutputWriter, Prompt, check_lengths, read_prompts
-from ddtree_jax.tokenizer import Tokenizer
+from ddtree_jax.tokenizer import Message, Tokenizer, check_messages
 
 VOCAB = 300
 
 
 class ByteTokenizer(Tokenizer):
-    """ids = UTF-8 bytes; chat wraps them in 256 ... 257."""
+    """ids = UTF-8 bytes; a chat message is 256, its role's first letter, its content, 257."""
 
     vocab_size = VOCAB
     stop_ids = (257,)
+    has_chat_format = True
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
@@ -27,8 +29,12 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode()
 
-    def encode_chat(self, user_text: str, system: str | None = None) -> list[int]:
-        return [256, *self.encode(user_text), 257]
+    def encode_messages(self, messages: Sequence[Message]) -> list[int]:
+        return [i for m in check_messages(messages) for i in (256, *self.encode(m["role"][0] + m["content"]), 257)]
+
+
+class PlainByteTokenizer(ByteTokenizer):
+    has_chat_format = False
 
 
 def write(tmp_path: Path, content: str | bytes) -> Path:
@@ -54,7 +60,50 @@ def test_reads_text_and_ids_skipping_blank_lines(tmp_path: Path) -> None:
 def test_chat_wraps_text_prompts_only(tmp_path: Path) -> None:
     p = write(tmp_path, lines({"id": "a", "prompt": "hi"}, {"id": "b", "prompt_ids": [5]}))
     got = read_prompts(p, ByteTokenizer(), VOCAB, chat=True)
-    assert [g.token_ids for g in got] == [(256, 104, 105, 257), (5,)]
+    assert [g.token_ids for g in got] == [(256, ord("u"), 104, 105, 257), (5,)]
+
+
+def test_messages_rows_use_the_chat_format(tmp_path: Path) -> None:
+    convo = [{"role": "system", "content": "b"}, {"role": "user", "content": "hi"}]
+    content = lines({"id": "m", "messages": convo}, {"id": "t", "prompt": "hi"})
+    got = read(tmp_path, content)  # without chat=True: messages rows are chat either way, text rows are not
+    sys_ids, user_ids = (256, ord("s"), ord("b"), 257), (256, ord("u"), 104, 105, 257)
+    assert got == [Prompt("m", sys_ids + user_ids, None), Prompt("t", (104, 105), "hi")]
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        ("hello", "'messages' must be a non-empty list of {role, content} objects, got a str"),
+        ([], "'messages' must be a non-empty list of {role, content} objects, got an empty list"),
+        (["hello"], "message 1 is a str, not a {role, content} object"),
+        ([{"content": "x"}], "message 1: 'role' must be one of system, user, assistant, got None"),
+        ([{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}], "message 2: 'role' must be one of"),
+        ([{"role": "user"}], "message 1 (user): 'content' must be a string"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "message 1 (user): 'content' must be a string"),
+        ([{"role": "user", "content": "x", "name": "n"}], "message 1 (user): cannot render keys name"),
+    ],
+)
+def test_bad_messages_name_the_line(tmp_path: Path, messages: object, problem: str) -> None:
+    content = lines({"id": "ok", "prompt": "a"}, {"id": "m", "messages": messages})
+    with pytest.raises(UserError) as e:
+        read(tmp_path, content)
+    assert f"prompts.jsonl:2: prompt 'm': {problem}" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("rec", "chat", "what"),
+    [
+        ({"id": "m", "messages": [{"role": "user", "content": "x"}]}, False, "prompt 'm' has 'messages'"),
+        ({"id": "t", "prompt": "x"}, True, "prompt 't' is text for --chat"),
+    ],
+)
+def test_chat_needs_a_chat_format(tmp_path: Path, rec: dict, chat: bool, what: str) -> None:
+    path = write(tmp_path, lines(rec))
+    with pytest.raises(UserError, match=rf":1: {what}, but the checkpoint's tokenizer has no chat format"):
+        read_prompts(path, PlainByteTokenizer(), VOCAB, chat=chat)
+    with pytest.raises(UserError, match=rf":1: {what}, but the checkpoint has no tokenizer"):
+        read_prompts(path, None, VOCAB, chat=chat)
 
 
 def test_file_not_found(tmp_path: Path) -> None:
@@ -83,9 +132,16 @@ def test_missing_id(tmp_path: Path) -> None:
         read(tmp_path, lines({"prompt": "a"}))
 
 
-@pytest.mark.parametrize("rec", [{"id": 1}, {"id": 1, "prompt": "a", "prompt_ids": [1]}])
-def test_neither_or_both_prompt_fields(tmp_path: Path, rec: dict) -> None:
-    with pytest.raises(UserError, match=r":1: prompt 1 needs exactly one of 'prompt' and 'prompt_ids'"):
+@pytest.mark.parametrize(
+    "rec",
+    [
+        {"id": 1},
+        {"id": 1, "prompt": "a", "prompt_ids": [1]},
+        {"id": 1, "prompt": "a", "messages": [{"role": "user", "content": "a"}]},
+    ],
+)
+def test_not_exactly_one_prompt_field(tmp_path: Path, rec: dict) -> None:
+    with pytest.raises(UserError, match=r":1: prompt 1 needs exactly one of 'prompt', 'prompt_ids' and 'messages'"):
         read(tmp_path, lines(rec))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ddtree_jax.errors import UserError
 from ddtree_jax.tokenizer import KimiTokenizer, TokenizerError, load_tokenizer, read_pat_str
 
 MERGES = [b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", b"ld", b" world", "文a".encode()]
@@ -94,6 +95,24 @@ def test_kimi_chat_format(kimi: KimiTokenizer) -> None:
     assert kimi.encode_chat("hello", system="be brief") == system + user
 
 
+def test_kimi_messages(kimi: KimiTokenizer) -> None:
+    n, enc = N_RANKS, kimi.encode
+    convo = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "world"},
+        {"role": "user", "content": "hello"},
+    ]
+    system = [n + 10, *enc("system"), n + 17, *enc("be brief"), n + 2]
+    user = [n + 3, *enc("user"), n + 17, *enc("hello"), n + 2]
+    assistant = [n + 4, *enc("assistant"), n + 17, *enc("world"), n + 2]
+    reply = [n + 4, *enc("assistant"), n + 17]
+    assert kimi.has_chat_format
+    assert kimi.encode_messages(convo) == system + user + assistant + user + reply
+    with pytest.raises(UserError, match=r"^message 1: 'role' must be one of system, user, assistant, got 'tool'$"):
+        kimi.encode_messages([{"role": "tool", "content": "x"}])
+
+
 def test_no_tokenizer_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match=r"no tokenizer \(neither tiktoken.model nor tokenizer.json\)"):
         load_tokenizer(tmp_path)
@@ -125,4 +144,6 @@ def test_hf_tokenizer_json(tmp_path: Path) -> None:
     for text in TEXTS:
         assert tok.decode(tok.encode(text)) == text
     assert len(tok.encode("hello world")) < len("hello world")
-    assert tok.encode_chat("hello world") == tok.encode("hello world")
+    assert not tok.has_chat_format
+    with pytest.raises(TokenizerError, match=r"tokenizer.json: this tokenizer has no chat format"):
+        tok.encode_chat("hello world")  # never a plain encode in disguise
