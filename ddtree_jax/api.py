@@ -1,8 +1,9 @@
 """Small Python API for scripts and notebooks: load a target (+ drafter), generate for a batch, get stats.
 
 gen = Generator.load("checkpoints/kimi-mini", "checkpoints/kimi-mini-dflash")
-res = gen.generate([[1, 2, 3], [4, 5]], method="ddtree", budget=16, max_new_tokens=64)
-res.tokens[0], res.stats[0]["tokens_per_round"], res.tokens_per_s
+res = gen.generate_text(["def fibonacci(n):"], method="ddtree", budget=16, max_new_tokens=64)
+res.texts[0], res.stats[0]["tokens_per_round"], res.tokens_per_s
+res = gen.generate([[1, 2, 3], [4, 5]], method="ar")  # token ids in, res.tokens out
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,18 +28,33 @@ from ddtree_jax.errors import NumericsError, UserError
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
 from ddtree_jax.sampling import request_keys
+from ddtree_jax.tokenizer import check_messages
 from pallas_kernels.dispatch import Kernels
 
 PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so few shapes get compiled
 
 
+def padded_prompt_len(longest: int) -> int:
+    """The prompt length a batch whose longest prompt has `longest` tokens is compiled for."""
+    return PROMPT_BUCKET * math.ceil(longest / PROMPT_BUCKET)
+
+
 @dataclasses.dataclass
 class GenerationResult:
+    """One `generate` call. The batch runs as one program: `wall_s` is its execution for the whole batch
+    (compilation excluded, that is `compile_s`), and `tokens_per_s` the aggregate rate over it. A row leaves the
+    loop when it finishes, so its own latency is estimated from its rounds: stats' `est_latency_s` is wall_s x the
+    row's rounds / `batch_rounds` (prefill shared pro rata), `est_tokens_per_s` the row's tokens over that."""
+
     tokens: list[list[int]]  # generated ids per row (a stop token included when hit)
-    stats: list[dict]  # per row: rounds, tokens_per_round, accept_hist (count of rounds committing 1..D+1 tokens)
-    wall_s: float  # execution time of the compiled program (compilation excluded)
-    compile_s: float  # compilation time paid by this call (0 when cached)
-    tokens_per_s: float  # generated tokens of the whole batch / wall_s
+    texts: list[str] | None  # the rows' tokens decoded, when the Generator has a tokenizer
+    # per row: rounds, tokens_per_round, accept_hist (count of rounds committing 1..D+1 tokens), est_latency_s,
+    # est_tokens_per_s
+    stats: list[dict]
+    wall_s: float  # execution seconds of the compiled program for the whole batch (compilation excluded)
+    compile_s: float  # compilation seconds paid by this call (0 when cached)
+    tokens_per_s: float  # aggregate: generated tokens of the whole batch / wall_s
+    batch_rounds: int  # rounds the program ran: its longest row's
     spec: engine.GenSpec  # the program that ran
 
 
@@ -115,7 +131,7 @@ class Generator:
         return engine.GenSpec(
             method=method,
             batch=batch,
-            prompt_len=PROMPT_BUCKET * math.ceil(prompt_len / PROMPT_BUCKET),
+            prompt_len=padded_prompt_len(prompt_len),
             max_new_tokens=max_new_tokens,
             budget=budget,
             temperature=float(temperature),
@@ -175,8 +191,8 @@ class Generator:
         pad_batch_to: run the program at this batch size (extra rows repeat the last prompt and are dropped) so
         batches share one compilation. kernels: the kernel selection (None: `Kernels.from_env()`); each selection
         compiles its own program."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        if not prompts or any(isinstance(p, str) or len(p) == 0 for p in prompts):
+            raise ValueError("prompts are non-empty lists of token ids (`generate_text` takes strings or messages)")
         indices = list(range(len(prompts))) if request_indices is None else list(request_indices)
         if len(indices) != len(prompts):
             raise ValueError(f"{len(indices)} request_indices for {len(prompts)} prompts")
@@ -217,19 +233,45 @@ class Generator:
                     "no tokens were emitted past that point"
                 )
         result_tokens = [tokens[i, : n_out[i]].tolist() for i in range(n)]
+        batch_rounds = int(rounds[:n].max())
         stats = []
         for i in range(n):
             taus = np.arange(hist.shape[1])
             r = int(rounds[i])
+            latency = wall * r / batch_rounds if batch_rounds else wall
             stats.append(
                 {
                     "rounds": r,
                     "tokens_per_round": float((hist[i] * taus).sum() / r) if r else 0.0,
                     "accept_hist": hist[i, 1:].tolist(),
+                    "est_latency_s": latency,
+                    "est_tokens_per_s": len(result_tokens[i]) / latency if latency > 0 else 0.0,
                 }
             )
         total = sum(len(t) for t in result_tokens)
-        return GenerationResult(result_tokens, stats, wall, compile_s, total / wall if wall > 0 else 0.0, spec)
+        texts = None if self.tokenizer is None else [self.tokenizer.decode(t) for t in result_tokens]
+        rate = total / wall if wall > 0 else 0.0
+        return GenerationResult(result_tokens, texts, stats, wall, compile_s, rate, batch_rounds, spec)
+
+    def generate_text(
+        self, prompts: Sequence[str | Sequence[Mapping[str, str]]], *, chat: bool = False, **settings
+    ) -> GenerationResult:
+        """Generate for text prompts; the result's `texts` are the decoded outputs.
+
+        Each prompt is a string (encoded as is, or as one user turn of the checkpoint's chat format with
+        chat=True) or a conversation `[{"role": "system" | "user" | "assistant", "content": text}, ...]` (always
+        the chat format). settings: `generate`'s keywords. A ValueError when the Generator has no tokenizer; a
+        `UserError` for a malformed conversation or a tokenizer without a chat format."""
+        if self.tokenizer is None:
+            raise ValueError("generate_text needs the target's tokenizer (tiktoken.model or tokenizer.json)")
+        tok = self.tokenizer
+        ids = [
+            (tok.encode_chat(p) if chat else tok.encode(p))
+            if isinstance(p, str)
+            else tok.encode_messages(check_messages(p))
+            for p in prompts
+        ]
+        return self.generate(ids, **settings)
 
 
 def trained_context(target_dir: Path) -> int | None:

@@ -13,13 +13,14 @@ memory ($DDTREE_FREE_BYTES overrides it) and a run that cannot fit is refused wi
 from __future__ import annotations
 
 import math
-import sys
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from absl import flags, logging
+from tqdm import tqdm
 
 from ddtree_jax import memory
 from ddtree_jax.config import DFlashConfig, check_pair, load_dflash_config, load_kimi_config
@@ -27,7 +28,7 @@ from ddtree_jax.errors import UserError, run_app
 from ddtree_jax.hub import METADATA_FILES, resolve_checkpoint
 from ddtree_jax.mesh_spec import parse_mesh_spec
 from ddtree_jax.prompts import OutputWriter, Prompt, check_lengths, read_prompts
-from ddtree_jax.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
+from ddtree_jax.tokenizer import has_tokenizer, load_tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target checkpoint (Kimi K2 family): a directory or a Hugging Face model id.")
@@ -104,46 +105,37 @@ def warn_budget(budget: int, drafter: DFlashConfig) -> None:
         )
 
 
-class ProgressBar:
-    """One `\\r`-rewritten line on stderr: bar, prompts done, tokens, tokens/s."""
-
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 30):
-        self.total, self.stream, self.width = total, stream or sys.stderr, width
-        self.start = time.perf_counter()
-
-    def update(self, done: int, tokens: int) -> None:
-        filled = self.width * done // self.total
-        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {done}/{self.total} prompts  {tokens} tokens  {rate:.1f} tok/s")
-        self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
-
-
-def summary_table(prompts: int, tokens: int, rounds: int, wall_s: float) -> str:
-    head = ("prompts", "tokens", "rounds", "tokens/round", "tok/s")
-    row = (str(prompts), str(tokens), str(rounds), f"{tokens / max(rounds, 1):.2f}", f"{tokens / wall_s:.1f}")
-    widths = [max(len(h), len(c)) for h, c in zip(head, row, strict=True)]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in (head, row))
+def summary_table(records: Sequence[dict[str, Any]], exec_s: float, compile_s: float, wall_s: float) -> str:
+    """The run's figures, each labelled: aggregate tok/s over the programs' execution (compilation excluded), the
+    median request's estimated tok/s, and the seconds spent executing, compiling and in all."""
+    tokens = sum(len(r["token_ids"]) for r in records)
+    rounds = sum(r["stats"]["rounds"] for r in records)
+    per_request = statistics.median(r["stats"]["est_tokens_per_s"] for r in records)
+    cells = {
+        "requests": str(len(records)),
+        "tokens": str(tokens),
+        "rounds": str(rounds),
+        "tokens/round": f"{tokens / max(rounds, 1):.2f}",
+        "aggregate tok/s (exec)": f"{tokens / exec_s:.1f}" if exec_s > 0 else "-",
+        "per-request tok/s (median, est.)": f"{per_request:.1f}",
+        "exec s": f"{exec_s:.2f}",
+        "compile s": f"{compile_s:.2f}",
+        "wall s": f"{wall_s:.2f}",
+    }
+    widths = [max(len(h), len(c)) for h, c in cells.items()]
+    rows = (cells.keys(), cells.values())
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
-def make_record(
-    p: Prompt, tokens: list[int], stats: dict[str, Any], wall_s: float, tok: Tokenizer | None
-) -> dict[str, Any]:
-    """One output line: wall_s is the batch's (the request's latency), tokens_per_s this row's over it."""
+def make_record(p: Prompt, tokens: list[int], stats: dict[str, Any], batch: dict[str, Any], text: str | None):
+    """One output line. `stats`: this request's rounds, tokens per round and its estimated latency and tok/s
+    (`api.GenerationResult`); `stats.batch`: the batch it ran in (size, rounds, execution seconds, aggregate tok/s)."""
+    own = ("rounds", "tokens_per_round", "est_latency_s", "est_tokens_per_s")
     return {
         "id": p.id,
         "token_ids": list(tokens),
-        "text": None if tok is None else tok.decode(tokens),
-        "stats": {
-            "rounds": stats["rounds"],
-            "tokens_per_round": stats["tokens_per_round"],
-            "wall_s": wall_s,
-            "tokens_per_s": len(tokens) / wall_s if wall_s > 0 else 0.0,
-        },
+        "text": text,
+        "stats": {k: stats[k] for k in own} | {"batch": batch},
     }
 
 
@@ -178,7 +170,7 @@ def main(argv: Sequence[str]) -> None:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.api import PROMPT_BUCKET, Generator
+    from ddtree_jax.api import Generator, padded_prompt_len
     from pallas_kernels.dispatch import Kernels
 
     try:
@@ -186,7 +178,7 @@ def main(argv: Sequence[str]) -> None:
     except ValueError as e:
         raise UserError(f"kernel selection (DDTREE_* environment): {e}") from None
 
-    longest = PROMPT_BUCKET * math.ceil(max(len(p.token_ids) for _, p in todo) / PROMPT_BUCKET)
+    longest = padded_prompt_len(max(len(p.token_ids) for _, p in todo))
     memory.check_fits(
         target_cfg,
         drafter_cfg,
@@ -201,9 +193,10 @@ def main(argv: Sequence[str]) -> None:
     )
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
     gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh)
-    bar = ProgressBar(len(todo))
-    tokens = rounds = 0
-    wall = 0.0
+    started = time.perf_counter()
+    records: list[dict[str, Any]] = []
+    exec_s = compile_s = 0.0
+    bar = tqdm(total=len(todo), unit="req", desc="generate", dynamic_ncols=True)
     for start in range(0, len(todo), FLAGS.batch_size):
         batch = todo[start : start + FLAGS.batch_size]
         res = gen.generate(
@@ -218,14 +211,19 @@ def main(argv: Sequence[str]) -> None:
             ignore_eos=FLAGS.ignore_eos,
             pad_batch_to=min(FLAGS.batch_size, len(todo)),  # a short last batch reuses the full batch's program
         )
-        rows = zip((p for _, p in batch), res.tokens, res.stats, strict=True)
-        writer.write_batch([make_record(p, t, s, res.wall_s, tokenizer) for p, t, s in rows])
-        tokens += sum(len(t) for t in res.tokens)
-        rounds += sum(s["rounds"] for s in res.stats)
-        wall += res.wall_s
-        bar.update(start + len(batch), tokens)
+        about = {"requests": len(batch), "rounds": res.batch_rounds, "exec_s": res.wall_s}
+        about["tokens_per_s"] = res.tokens_per_s
+        texts = res.texts or [None] * len(batch)
+        rows = zip((p for _, p in batch), res.tokens, res.stats, texts, strict=True)
+        done_now = [make_record(p, t, s, about, text) for p, t, s, text in rows]
+        writer.write_batch(done_now)
+        records += done_now
+        exec_s, compile_s = exec_s + res.wall_s, compile_s + res.compile_s
+        bar.update(len(batch))
+        tokens = sum(len(r["token_ids"]) for r in records)
+        bar.set_postfix_str(f"{tokens} tokens, {tokens / exec_s:.1f} tok/s aggregate (exec)")
     bar.close()
-    print(summary_table(len(todo), tokens, rounds, wall))
+    print(summary_table(records, exec_s, compile_s, time.perf_counter() - started))
 
 
 def run() -> None:

@@ -319,13 +319,21 @@ class FakeGenerator:
     def generate(self, prompts: list[list[int]], **kw: object) -> SimpleNamespace:
         self.calls.append({"prompts": prompts, **kw})
         tokens = [[p[-1] + 1, p[-1] + 2] for p in prompts]
-        stats = [{"rounds": 1, "tokens_per_round": 2.0, "accept_hist": [0, 1]} for _ in prompts]
-        return SimpleNamespace(tokens=tokens, stats=stats, wall_s=0.5, tokens_per_s=4.0 * len(prompts))
+        stats = [
+            {"rounds": 1, "tokens_per_round": 2.0, "accept_hist": [0, 1], "est_latency_s": 0.5, "est_tokens_per_s": 4.0}
+            for _ in prompts
+        ]
+        texts = ["".join(map(chr, t)) for t in tokens]
+        rate = 4.0 * len(prompts)
+        return SimpleNamespace(
+            tokens=tokens, texts=texts, stats=stats, wall_s=0.5, compile_s=0.0, tokens_per_s=rate, batch_rounds=1
+        )
 
 
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> type[FakeGenerator]:
-    monkeypatch.setitem(sys.modules, "ddtree_jax.api", SimpleNamespace(Generator=FakeGenerator, PROMPT_BUCKET=32))
+    fake_api = SimpleNamespace(Generator=FakeGenerator, padded_prompt_len=lambda n: 32 * -(-n // 32))
+    monkeypatch.setitem(sys.modules, "ddtree_jax.api", fake_api)
     FakeGenerator.calls = []
     yield FakeGenerator
     flags.FLAGS.unparse_flags()
@@ -369,8 +377,17 @@ def test_batches_in_input_order_with_resume(
         "id": "t",
         "token_ids": [66, 67],
         "text": "BC",
-        "stats": {"rounds": 1, "tokens_per_round": 2.0, "wall_s": 0.5, "tokens_per_s": 4.0},
+        "stats": {
+            "rounds": 1,
+            "tokens_per_round": 2.0,
+            "est_latency_s": 0.5,  # this request's share of its batch's execution, from its rounds
+            "est_tokens_per_s": 4.0,
+            "batch": {"requests": 1, "rounds": 1, "exec_s": 0.5, "tokens_per_s": 4.0},  # labelled as the batch's
+        },
     }
     out, err = capsys.readouterr()
-    assert "5/5 prompts" in err
-    assert out.splitlines()[1].split() == ["5", "10", "5", "2.00", "6.7"]  # 10 tokens over 3 x 0.5 s
+    assert "5/5" in err and "tok/s aggregate (exec)" in err
+    head, row = out.splitlines()
+    for label in ("aggregate tok/s (exec)", "per-request tok/s (median, est.)", "exec s", "compile s", "wall s"):
+        assert label in head
+    assert row.split()[:8] == ["5", "10", "5", "2.00", "6.7", "4.0", "1.50", "0.00"]  # 10 tokens over 3 x 0.5 s
