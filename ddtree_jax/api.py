@@ -34,6 +34,12 @@ from pallas_kernels.dispatch import Kernels
 PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so few shapes get compiled
 
 
+def default_dtype():
+    """float32 on a CPU backend: exact there (every method gives the same tokens, see docs/exactness.md) and no
+    slower than bfloat16 on most CPUs; bfloat16 on an accelerator."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
 def padded_prompt_len(longest: int) -> int:
     """The prompt length a batch whose longest prompt has `longest` tokens is compiled for."""
     return PROMPT_BUCKET * math.ceil(longest / PROMPT_BUCKET)
@@ -95,13 +101,15 @@ class Generator:
         target_dir: str | Path,
         drafter_dir: str | Path | None = None,
         *,
-        dtype=jnp.bfloat16,
+        dtype=None,
         mesh: str | None = None,
     ) -> Generator:
         """Load HF-format checkpoints, each a directory or a Hugging Face model id (`ddtree_jax.hub`), and the
         target's tokenizer when it has one.
 
+        dtype: weights and activations; None: `default_dtype()` (float32 on a CPU, bfloat16 on an accelerator).
         mesh: as in `__init__`; each target tensor goes straight to its shards as it is read."""
+        dtype = default_dtype() if dtype is None else dtype
         from ddtree_jax.checkpoint import load_target
         from ddtree_jax.dflash_checkpoint import load_drafter
         from ddtree_jax.hub import resolve_checkpoint

@@ -46,7 +46,12 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string("output", None, "JSON Lines results, in input order.")
 flags.DEFINE_integer("batch_size", 8, "Prompts per batch.")
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Activation / weight dtype.")
+flags.DEFINE_enum(
+    "dtype",
+    "auto",
+    ["auto", "bfloat16", "float32"],
+    "Weights / activations. auto: float32 on a CPU (exact: every method gives the same tokens), bfloat16 on a GPU.",
+)
 flags.DEFINE_bool("ignore_eos", False, "Generate max_new_tokens even past a stop token.")
 flags.DEFINE_integer("seed", 0, "Sampling seed; a request's samples depend only on (seed, its index in --prompts).")
 flags.DEFINE_bool("resume", False, "Keep the existing --output and skip the ids already in it.")
@@ -170,7 +175,7 @@ def main(argv: Sequence[str]) -> None:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.api import Generator, padded_prompt_len
+    from ddtree_jax.api import Generator, default_dtype, padded_prompt_len
     from pallas_kernels.dispatch import Kernels
 
     try:
@@ -178,6 +183,9 @@ def main(argv: Sequence[str]) -> None:
     except ValueError as e:
         raise UserError(f"kernel selection (DDTREE_* environment): {e}") from None
 
+    dtype = (
+        default_dtype() if FLAGS.dtype == "auto" else {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
+    )
     longest = padded_prompt_len(max(len(p.token_ids) for _, p in todo))
     memory.check_fits(
         target_cfg,
@@ -189,9 +197,8 @@ def main(argv: Sequence[str]) -> None:
         method=FLAGS.method,
         budget=FLAGS.budget,
         layout=memory.Layout.from_spec(FLAGS.mesh, jax.device_count()),
-        dtype_bytes=jnp.dtype(FLAGS.dtype).itemsize,
+        dtype_bytes=jnp.dtype(dtype).itemsize,
     )
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
     gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh)
     started = time.perf_counter()
     records: list[dict[str, Any]] = []

@@ -71,3 +71,10 @@ def test_readme_quick_start_runs_as_written() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip(), "the quick start printed nothing"
+
+
+def test_default_dtype_on_a_cpu_is_float32(gen: Generator) -> None:
+    """On a CPU backend the default load is float32, where ar, dflash and ddtree give the same tokens."""
+    import jax.numpy as jnp
+
+    assert gen.target.dtype == jnp.float32

@@ -332,7 +332,11 @@ class FakeGenerator:
 
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> type[FakeGenerator]:
-    fake_api = SimpleNamespace(Generator=FakeGenerator, padded_prompt_len=lambda n: 32 * -(-n // 32))
+    from ddtree_jax import api
+
+    fake_api = SimpleNamespace(
+        Generator=FakeGenerator, padded_prompt_len=api.padded_prompt_len, default_dtype=api.default_dtype
+    )
     monkeypatch.setitem(sys.modules, "ddtree_jax.api", fake_api)
     FakeGenerator.calls = []
     yield FakeGenerator
@@ -391,3 +395,11 @@ def test_batches_in_input_order_with_resume(
     for label in ("aggregate tok/s (exec)", "per-request tok/s (median, est.)", "exec s", "compile s", "wall s"):
         assert label in head
     assert row.split()[:8] == ["5", "10", "5", "2.00", "6.7", "4.0", "1.50", "0.00"]  # 10 tokens over 3 x 0.5 s
+
+
+def test_default_dtype_is_float32_on_a_cpu(cli: Cli, fake_engine: type[FakeGenerator]) -> None:
+    cli.write_prompts({"id": "a", "prompt_ids": [1, 2]})
+    run_in_process(cli, "--max_new_tokens=8")
+    import jax.numpy as jnp
+
+    assert fake_engine.calls[0]["load"][2] == jnp.float32
