@@ -6,15 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ddtree_jax.config_json import (
-    ConfigError,
-    YarnConfig,
-    check_positive,
-    get_field,
-    parse_yarn,
-    read_json,
-    yarn_mscale,
-)
+from ddtree_jax import config_json
+from ddtree_jax.config_json import ConfigError, YarnConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +47,7 @@ def parse_dflash_config(raw: dict[str, Any], where: str = "config.json") -> DFla
     arch = raw.get("architectures") or []
     if "DFlashDraftModel" not in arch:
         raise ConfigError(f"{where}: architectures {arch!r} is not a DFlash drafter (expected DFlashDraftModel)")
-    g = lambda k, *a, **kw: get_field(raw, k, where, *a, **kw)  # noqa: E731
+    g = lambda k, *a, **kw: config_json.get_field(raw, k, where, *a, **kw)  # noqa: E731
     dc = raw.get("dflash_config") or {}
     if not isinstance(dc, dict):
         raise ConfigError(f"{where}: dflash_config must be an object")
@@ -77,8 +70,8 @@ def parse_dflash_config(raw: dict[str, Any], where: str = "config.json") -> DFla
     heads, kv_heads = g("num_attention_heads"), g("num_key_value_heads")
     hidden = g("hidden_size")
     head_dim = g("head_dim", hidden // heads)
-    yarn = parse_yarn(raw, where)
-    amp = 1.0 if yarn is None else yarn_mscale(yarn.factor, 1.0)
+    yarn = config_json.parse_yarn(raw, where)
+    amp = 1.0 if yarn is None else config_json.yarn_mscale(yarn.factor, 1.0)
     if raw.get("layer_types") and any(t != "full_attention" for t in raw["layer_types"]):
         raise ConfigError(f"{where}: layer_types {raw['layer_types']} not supported (only full_attention)")
     c = DFlashConfig(
@@ -101,7 +94,7 @@ def parse_dflash_config(raw: dict[str, Any], where: str = "config.json") -> DFla
         input_embedding_scale=float(raw.get("input_embedding_scale", 1.0)),
         output_multiplier=float(raw.get("output_multiplier", 1.0)),
     )
-    check_positive(
+    config_json.check_positive(
         where, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim
     )
     if heads % kv_heads:
@@ -114,7 +107,7 @@ def parse_dflash_config(raw: dict[str, Any], where: str = "config.json") -> DFla
 
 
 def load_dflash_config(path: str | Path) -> DFlashConfig:
-    raw, where = read_json(path)
+    raw, where = config_json.read_json(path)
     return parse_dflash_config(raw, where)
 
 
