@@ -1,6 +1,7 @@
 """HF `config.json` -> validated, frozen configs for the Kimi K2 target and the DFlash drafter.
 
-`KimiConfig` is the one source of truth for the target's dimensions; `DFlashConfig` for the drafter's.
+`KimiConfig` (here) is the one source of truth for the target's dimensions; `DFlashConfig` (`dflash_config.py`,
+re-exported here with the shared `ConfigError` and `YarnConfig` of `config_json.py`) for the drafter's.
 Both layouts of the target are read: flat DeepSeek-V3 / Kimi K2-Thinking (`model_type` deepseek_v3 or
 kimi_k2) and nested Kimi K2.5 / K2.6 (`model_type` kimi_k25, language model under `text_config`).
 """
@@ -8,26 +9,32 @@ kimi_k2) and nested Kimi K2.5 / K2.6 (`model_type` kimi_k25, language model unde
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from pathlib import Path
 from typing import Any
 
+from ddtree_jax.config_json import (
+    ConfigError,
+    YarnConfig,
+    check_positive,
+    get_field,
+    parse_yarn,
+    read_json,
+    yarn_mscale,
+)
+from ddtree_jax.dflash_config import DFlashConfig, load_dflash_config
 
-class ConfigError(ValueError):
-    """A config.json we cannot use; the message names the file and the field."""
-
-
-@dataclasses.dataclass(frozen=True)
-class YarnConfig:
-    """YaRN RoPE scaling (kimi_k2.md §3.4)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+__all__ = [
+    "ConfigError",
+    "DFlashConfig",
+    "KimiConfig",
+    "QuantConfig",
+    "YarnConfig",
+    "check_pair",
+    "load_dflash_config",
+    "load_kimi_config",
+    "parse_kimi_config",
+    "to_hf_dict",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,102 +120,10 @@ class KimiConfig:
         return tuple(sorted(ids))
 
 
-@dataclasses.dataclass(frozen=True)
-class DFlashConfig:
-    """The DFlash block-diffusion drafter (z-lab format; dflash_ddtree.md §1.2)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    num_target_layers: int
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int
-    rope_theta: float
-    rope_scaling: YarnConfig | None
-    max_position_embeddings: int
-    rms_norm_eps: float
-    # cos/sin amplitude of the drafter's YaRN RoPE (dflash_ddtree.md §1.3): 1 + 0.1 ln(factor) by default.
-    yarn_attention_factor: float = 1.0
-    input_embedding_scale: float = 1.0
-    output_multiplier: float = 1.0
-
-    @property
-    def num_draft(self) -> int:
-        """D = block_size - 1: draft positions (tree depth) per round."""
-        return self.block_size - 1
-
-
-# ---- YaRN helpers (kimi_k2.md §3.4) ------------------------------------------------------------
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    """g(f, x) = 0.1 x ln f + 1 for f > 1, else 1."""
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
 # ---- parsing -----------------------------------------------------------------------------------
 
 _TARGET_TYPES = ("deepseek_v3", "kimi_k2")
 _NESTED_TYPES = ("kimi_k25",)
-
-
-def _read_json(path: str | Path) -> tuple[dict[str, Any], str]:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ConfigError(f"{p}: config.json not found")
-    try:
-        return json.loads(p.read_text()), str(p)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: malformed JSON ({e})") from None
-
-
-def _get(cfg: dict[str, Any], key: str, where: str, default: Any = ..., kind: type | tuple = (int,)) -> Any:
-    if key not in cfg or cfg[key] is None:
-        if default is ...:
-            raise ConfigError(f"{where}: missing field '{key}'")
-        return default
-    v = cfg[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if float in kinds and isinstance(v, int) and not isinstance(v, bool):
-        v = float(v)
-    if bool not in kinds and isinstance(v, bool) or not isinstance(v, kinds):
-        raise ConfigError(f"{where}: field '{key}' must be {'/'.join(k.__name__ for k in kinds)}, got {v!r}")
-    return v
-
-
-def _positive(where: str, **fields: int | float) -> None:
-    for k, v in fields.items():
-        if v <= 0:
-            raise ConfigError(f"{where}: field '{k}' must be positive, got {v}")
-
-
-def _parse_yarn(cfg: dict[str, Any], where: str) -> YarnConfig | None:
-    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")  # transformers 5 uses rope_parameters
-    if not rs:
-        return None
-    kind = rs.get("type", rs.get("rope_type"))
-    if kind in (None, "default"):
-        return None
-    if kind != "yarn":
-        raise ConfigError(f"{where}: rope_scaling type {kind!r} is not supported (only 'yarn')")
-    w = f"{where}: rope_scaling"
-    y = YarnConfig(
-        factor=_get(rs, "factor", w, kind=float),
-        original_max_position_embeddings=_get(rs, "original_max_position_embeddings", w),
-        beta_fast=_get(rs, "beta_fast", w, 32.0, float),
-        beta_slow=_get(rs, "beta_slow", w, 1.0, float),
-        mscale=_get(rs, "mscale", w, 1.0, float),
-        mscale_all_dim=_get(rs, "mscale_all_dim", w, 0.0, float),
-    )
-    _positive(w, factor=y.factor, original_max_position_embeddings=y.original_max_position_embeddings)
-    return y
 
 
 def _parse_quant(qc: dict[str, Any] | None, where: str) -> QuantConfig | None:
@@ -262,7 +177,7 @@ def parse_kimi_config(raw: dict[str, Any], where: str = "config.json") -> KimiCo
             f"{where_t}: model_type {mtype!r} is not supported (expected one of {_TARGET_TYPES}, "
             f"or {_NESTED_TYPES} with text_config)"
         )
-    g = lambda k, *a, **kw: _get(cfg, k, where_t, *a, **kw)  # noqa: E731
+    g = lambda k, *a, **kw: get_field(cfg, k, where_t, *a, **kw)  # noqa: E731
     if g("scoring_func", "sigmoid", str) != "sigmoid":
         raise ConfigError(f"{where_t}: scoring_func {cfg['scoring_func']!r} is not supported (only sigmoid)")
     if g("topk_method", "noaux_tc", str) != "noaux_tc":
@@ -299,7 +214,7 @@ def parse_kimi_config(raw: dict[str, Any], where: str = "config.json") -> KimiCo
         topk_group=g("topk_group", 1),
         norm_topk_prob=g("norm_topk_prob", True, bool),
         rope_theta=g("rope_theta", 10000.0, float),
-        rope_scaling=_parse_yarn(cfg, where_t),
+        rope_scaling=parse_yarn(cfg, where_t),
         max_position_embeddings=g("max_position_embeddings"),
         rms_norm_eps=g("rms_norm_eps", 1e-6, float),
         quant=_parse_quant(qc, where_t),
@@ -309,7 +224,7 @@ def parse_kimi_config(raw: dict[str, Any], where: str = "config.json") -> KimiCo
         eos_token_ids=_as_id_tuple(eos),
         pad_token_id=cfg.get("pad_token_id", raw.get("pad_token_id")),
     )
-    _positive(
+    check_positive(
         where_t,
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -326,7 +241,9 @@ def parse_kimi_config(raw: dict[str, Any], where: str = "config.json") -> KimiCo
     if c.qk_rope_head_dim % 2:
         raise ConfigError(f"{where_t}: qk_rope_head_dim must be even, got {c.qk_rope_head_dim}")
     if c.n_routed_experts:
-        _positive(where_t, num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size)
+        check_positive(
+            where_t, num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size
+        )
         if c.num_experts_per_tok > c.n_routed_experts:
             raise ConfigError(f"{where_t}: num_experts_per_tok {c.num_experts_per_tok} > n_routed_experts")
         if c.n_group < 1 or c.n_routed_experts % c.n_group or not 1 <= c.topk_group <= c.n_group:
@@ -350,85 +267,8 @@ def parse_kimi_config(raw: dict[str, Any], where: str = "config.json") -> KimiCo
 
 def load_kimi_config(path: str | Path) -> KimiConfig:
     """Read `path` (a checkpoint directory or its config.json) as a target config."""
-    raw, where = _read_json(path)
+    raw, where = read_json(path)
     return parse_kimi_config(raw, where)
-
-
-def parse_dflash_config(raw: dict[str, Any], where: str = "config.json") -> DFlashConfig:
-    """Validate a z-lab DFlash drafter config dict into a `DFlashConfig`."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: top level must be a JSON object")
-    arch = raw.get("architectures") or []
-    if "DFlashDraftModel" not in arch:
-        raise ConfigError(f"{where}: architectures {arch!r} is not a DFlash drafter (expected DFlashDraftModel)")
-    g = lambda k, *a, **kw: _get(raw, k, where, *a, **kw)  # noqa: E731
-    dc = raw.get("dflash_config") or {}
-    if not isinstance(dc, dict):
-        raise ConfigError(f"{where}: dflash_config must be an object")
-    layers = g("num_hidden_layers")
-    n_target = g("num_target_layers")
-    if "target_layer_ids" in dc:
-        ids = dc["target_layer_ids"]
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            raise ConfigError(f"{where}: dflash_config.target_layer_ids must be a non-empty list of ints")
-        ids = tuple(ids)
-    else:
-        ids = default_target_layer_ids(n_target, layers)
-    if any(not 0 <= i < n_target for i in ids):
-        raise ConfigError(f"{where}: target_layer_ids {list(ids)} outside [0, {n_target})")
-    block = dc.get("block_size", raw.get("block_size", 16))
-    if not isinstance(block, int) or block < 2:
-        raise ConfigError(f"{where}: block_size must be an int >= 2, got {block!r}")
-    if "mask_token_id" not in dc:
-        raise ConfigError(f"{where}: missing field 'dflash_config.mask_token_id'")
-    heads, kv_heads = g("num_attention_heads"), g("num_key_value_heads")
-    hidden = g("hidden_size")
-    head_dim = g("head_dim", hidden // heads)
-    yarn = _parse_yarn(raw, where)
-    amp = 1.0 if yarn is None else yarn_mscale(yarn.factor, 1.0)
-    if raw.get("layer_types") and any(t != "full_attention" for t in raw["layer_types"]):
-        raise ConfigError(f"{where}: layer_types {raw['layer_types']} not supported (only full_attention)")
-    c = DFlashConfig(
-        hidden_size=hidden,
-        intermediate_size=g("intermediate_size"),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=g("vocab_size"),
-        num_target_layers=n_target,
-        block_size=block,
-        target_layer_ids=ids,
-        mask_token_id=int(dc["mask_token_id"]),
-        rope_theta=g("rope_theta", 10000.0, float),
-        rope_scaling=yarn,
-        max_position_embeddings=g("max_position_embeddings", 262144),
-        rms_norm_eps=g("rms_norm_eps", 1e-6, float),
-        yarn_attention_factor=float(raw.get("yarn_attention_factor", amp)),
-        input_embedding_scale=float(raw.get("input_embedding_scale", 1.0)),
-        output_multiplier=float(raw.get("output_multiplier", 1.0)),
-    )
-    _positive(where, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
-    if heads % kv_heads:
-        raise ConfigError(f"{where}: num_attention_heads {heads} not a multiple of num_key_value_heads {kv_heads}")
-    if head_dim % 2:
-        raise ConfigError(f"{where}: head_dim must be even, got {head_dim}")
-    if not 0 <= c.mask_token_id < c.vocab_size:
-        raise ConfigError(f"{where}: mask_token_id {c.mask_token_id} outside the vocabulary")
-    return c
-
-
-def load_dflash_config(path: str | Path) -> DFlashConfig:
-    raw, where = _read_json(path)
-    return parse_dflash_config(raw, where)
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """z-lab default: [N/2] for one layer, else round(1 + i (N-4)/(L-1)) (dflash_ddtree.md §1.2)."""
-    if num_draft_layers == 1:
-        return (num_target_layers // 2,)
-    step = (num_target_layers - 4) / (num_draft_layers - 1)
-    return tuple(int(round(1 + i * step)) for i in range(num_draft_layers))
 
 
 def check_pair(target: KimiConfig, drafter: DFlashConfig) -> None:

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from absl import flags
+from tqdm import tqdm
 
 from ddtree_jax.errors import UserError, run_app
 from experiments import common, workload
-from experiments.progress import Progress
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string(
@@ -89,13 +89,14 @@ def main(_) -> None:
     if FLAGS.cycles < 1:
         raise UserError(f"--cycles must be >= 1, got {FLAGS.cycles}")
     runs: dict[str, list[list[dict]]] = {name: [] for name in settings}
-    bar = Progress(FLAGS.cycles * len(settings), "ab_flags")
+    bar = tqdm(total=FLAGS.cycles * len(settings), desc="ab_flags")
     with tempfile.TemporaryDirectory() as tmp:
         for cycle in range(FLAGS.cycles):
             for name, value in settings.items():
-                bar.step(f"cycle {cycle + 1}: {name}")
+                bar.set_postfix_str(f"cycle {cycle + 1}: {name}")
                 runs[name].append(run_sweep(value, Path(tmp) / f"{name}_{cycle}"))
-    bar.done()
+                bar.update()
+    bar.close()
     first = next(iter(settings))
     cells = {}
     for name, sweeps in runs.items():

@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 
 from absl import flags
+from tqdm import tqdm
 
 from ddtree_jax.errors import UserError, run_app
 from experiments import common, workload
-from experiments.progress import Progress
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", str(workload.SHIPPED_TARGET), "target checkpoint directory")
@@ -79,9 +79,8 @@ def main(_) -> None:
         for kw in kws
     ]
     gen.precompile(specs, FLAGS.compile_workers)
-    bar = Progress(len(kws) + FLAGS.repeats, "ab_topk")
-    timed = common.time_interleaved(_ChunkedGen(gen), batches, kws, FLAGS.repeats, bar.step)
-    bar.done()
+    with tqdm(total=len(kws) + FLAGS.repeats, desc="ab_topk") as bar:
+        timed = common.time_interleaved(_ChunkedGen(gen), batches, kws, FLAGS.repeats, bar)
     cells = [common.cell_stats(gen, firsts, medians) for firsts, medians in timed]
     ar_rows, chain_tps = cells[0]["rows"], cells[1]["tokens_per_s"]
     lax_tps = {

@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 from flax import nnx  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from ddtree_jax import engine, sizing  # noqa: E402
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, load_dflash_config, load_kimi_config  # noqa: E402
@@ -45,7 +46,6 @@ from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache  # noqa: E402
 from ddtree_jax.models.kimi import KimiForCausalLM  # noqa: E402
 from ddtree_jax.sampling import request_keys  # noqa: E402
 from experiments import common, round_pieces  # noqa: E402
-from experiments.progress import Progress  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target_config", str(common.RELEASED_CONFIGS / "kimi-k2.6"), "Kimi K2.6 config.json (directory)")
@@ -387,9 +387,8 @@ def main(_) -> None:
     extra = {"model": sizes, "published_acceptance": {f"{m} b{b}": v for (m, b), v in PUBLISHED.items()}}
     records, ar61 = [], {}
     cells = [(budget, b, ctx) for budget in budgets for b in concs for ctx in contexts]  # every B early
-    bar = Progress(len(cells), "bench_round")
-    for n, (budget, b, ctx) in enumerate(cells):
-        bar.step(f"ddtree b={budget} B={b} C={ctx}")
+    for n, (budget, b, ctx) in enumerate(bar := tqdm(cells, desc="bench_round")):
+        bar.set_postfix_str(f"ddtree b={budget} B={b} C={ctx}")
         if FLAGS.time_limit_s and time.perf_counter() - t0 > FLAGS.time_limit_s:
             print(f"time limit: {len(cells) - n} cells not run", flush=True)
             break
@@ -418,7 +417,6 @@ def main(_) -> None:
         except Exception as exc:  # noqa: BLE001 - one failing cell (e.g. out of memory) must not lose the rest
             records.append({**rec, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         common.write_results("bench_round", records, COLUMNS, FLAGS.out_dir or None, extra)
-    bar.done()
     common.write_results("bench_round", records, COLUMNS, FLAGS.out_dir or None, extra)
     print(common.markdown_table(records, COLUMNS))
 

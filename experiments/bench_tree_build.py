@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from jax.experimental.pallas import next_power_of_2 as pl_next_pow2
+from tqdm import tqdm
 
 from ddtree_jax import topk
 from ddtree_jax.errors import run_app
 from experiments import common, workload
-from experiments.progress import Progress
 from pallas_kernels.dispatch import TOPK_CHUNK
 
 FLAGS = flags.FLAGS
@@ -120,9 +120,9 @@ def build_records(gen, meta: dict) -> list[dict]:
 
     d, vocab = gen.drafter.config.num_draft, gen.target_config.vocab_size
     cells = [(int(b), int(n)) for b in FLAGS.budgets for n in FLAGS.batches]
-    records, bar = [], Progress(len(cells), "build")
-    for budget, batch in cells:
-        bar.step(f"b={budget} B={batch}")
+    records = []
+    for budget, batch in (bar := tqdm(cells, desc="build")):
+        bar.set_postfix_str(f"b={budget} B={batch}")
         logits, root = _inputs(batch, d, vocab, budget * 1000 + batch)
         us, outs = {}, {}
         for impl in IMPLS:
@@ -132,7 +132,6 @@ def build_records(gen, meta: dict) -> list[dict]:
             us[impl] = per_call_us(fn, logits, root, FLAGS.steps)
         same = all(np.array_equal(a, b) for a, b in zip(*(jax.tree.leaves(outs[i]) for i in IMPLS), strict=True))
         records.append(_record("build", "ddtree", budget, batch, us, same, "us/build", meta))
-    bar.done()
     return records
 
 
@@ -187,15 +186,13 @@ def e2e_records(gen, meta: dict) -> list[dict]:
     for name, res, tps in (("ar", ar, ar_tps), ("dflash", chain, chain_tps)):
         rec = _record("e2e", name, 0, 1, {"pallas": tps, "reference": tps}, res.tokens == ar.tokens, "tok/s", meta)
         records.append({**rec, "tokens_per_round": res.stats[0]["tokens_per_round"]})
-    bar = Progress(len(runs), "e2e")
-    for m, b in runs:
-        bar.step(f"{m} b={b}")
+    for m, b in (bar := tqdm(runs, desc="e2e")):
+        bar.set_postfix_str(f"{m} b={b}")
         res, tps = zip(*(timed(impl, m, b) for impl in IMPLS), strict=True)
         same = res[0].tokens == res[1].tokens == ar.tokens
         rec = _record("e2e", m, b, 1, dict(zip(IMPLS, tps, strict=True)), same, "tok/s", meta)
         rec |= {"tokens_per_round": res[0].stats[0]["tokens_per_round"], "vs_chain": tps[0] / chain_tps}
         records.append(rec)
-    bar.done()
     return records
 
 

@@ -23,10 +23,10 @@ import tempfile
 
 import jax
 from absl import flags
+from tqdm import tqdm
 
 from ddtree_jax.errors import run_app
 from experiments import common, device_profile, workload
-from experiments.progress import Progress
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", str(workload.SHIPPED_TARGET), "target checkpoint directory")
@@ -94,9 +94,8 @@ def main(_) -> None:
     print(f"compiled {len(specs)} programs in {gen.precompile(list(specs.values()), FLAGS.compile_workers):.1f}s")
     meta = common.metadata()
     records = []
-    bar = Progress(len(runs), "breakdown")
-    for method, budget in runs:
-        bar.step(f"{method} b={budget}")
+    for method, budget in (bar := tqdm(runs, desc="breakdown")):
+        bar.set_postfix_str(f"{method} b={budget}")
         full, prefill_only = kws[(method, budget, FLAGS.max_new_tokens)], kws[(method, budget, 1)]
         first = gen.generate(prompts, **full)  # warm-up
         gen.generate(prompts, **prefill_only)
@@ -131,7 +130,6 @@ def main(_) -> None:
         }
         records.append(rec)
         common.write_results("breakdown", records, COLUMNS, FLAGS.out_dir or None)
-    bar.done()
     print(common.markdown_table(records, COLUMNS))
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The released Kimi K2.6 / K2-Thinking / K2.5-DFlash config.json files (provenance: configs/README.md).
@@ -69,21 +70,24 @@ def time_fn(
     return stat(times)
 
 
-def time_interleaved(gen, batches: list, kws: list[dict], repeats: int, step: Callable[[str], Any]) -> list[tuple]:
+def time_interleaved(gen, batches: list, kws: list[dict], repeats: int, bar: tqdm) -> list[tuple]:
     """Every generation setting of `kws` (keywords of `gen.generate`) on the same batches, timed interleaved: each
     batch of each setting runs once untimed, then `repeats` rounds each run every (setting, batch) once in turn, so
-    drift during the run (clocks, heat, a neighbour on the host) falls on all settings alike.
+    drift during the run (clocks, heat, a neighbour on the host) falls on all settings alike. `bar` advances by
+    len(kws) + repeats.
     -> per setting, in order: (its untimed results, one per batch; the median wall time of each batch)."""
     firsts = []
     for kw in kws:
-        step(f"{kw.get('method')} b={kw.get('budget')} warm-up")
+        bar.set_postfix_str(f"{kw.get('method')} b={kw.get('budget')} warm-up")
         firsts.append([gen.generate(batch, **kw) for batch in batches])
+        bar.update()
     times = [[[] for _ in batches] for _ in kws]
     for r in range(repeats):
-        step(f"round {r + 1}/{repeats}")
+        bar.set_postfix_str(f"round {r + 1}/{repeats}")
         for i, kw in enumerate(kws):
             for j, batch in enumerate(batches):
                 times[i][j].append(gen.generate(batch, **kw).wall_s)
+        bar.update()
     return [(first, [statistics.median(t) for t in ts]) for first, ts in zip(firsts, times, strict=True)]
 
 

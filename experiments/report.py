@@ -421,8 +421,8 @@ def correctness_section(sweeps: list[dict], d: Path, window: int) -> list[str]:
             "Verification accepts a drafted token only if it equals the target's own choice in the verify pass, so "
             "a difference from AR is a difference between the target's bf16 logits for one token computed two ways "
             "(a 1-token decode step vs a (budget+1)-node verify: different matmul shapes, kernel tilings and "
-            "reduction orders). It shows up where two logits are within bf16 noise; float32 removes it (README, "
-            "'Exactness and bf16')."
+            "reduction orders). It shows up where two logits are within bf16 noise; float32 removes it "
+            "(docs/exactness.md)."
         )
     return out
 

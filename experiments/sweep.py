@@ -24,10 +24,10 @@ import os
 from typing import NamedTuple
 
 from absl import flags
+from tqdm import tqdm
 
 from ddtree_jax.errors import run_app
 from experiments import common, workload
-from experiments.progress import Progress
 
 FLAGS = flags.FLAGS
 AXES = ("budget", "concurrency", "context")
@@ -126,11 +126,11 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
     """All cells of one axis -> records (also written to sweep_<axis>.json/.md after every cell)."""
     max_pos = gen.target_config.max_position_embeddings
     records = []
-    bar = Progress(sum(1 + len(g.methods) + FLAGS.repeats for g in groups), f"sweep {axis}")
+    bar = tqdm(total=sum(len(g.methods) + FLAGS.repeats for g in groups), desc=f"sweep {axis}")
     for conc, ctx, requested, batches, methods in groups:
-        bar.step(f"B={conc} ctx={ctx}")
+        bar.set_description(f"sweep {axis} B={conc} ctx={ctx}")
         kws = [_gen_kwargs(m, bud) for m, bud in methods]
-        timed = common.time_interleaved(gen, batches, kws, FLAGS.repeats, bar.step)
+        timed = common.time_interleaved(gen, batches, kws, FLAGS.repeats, bar)
         cells_ = [common.cell_stats(gen, firsts, medians) for firsts, medians in timed]
         ar_stats, ar_rows = cells_[0], cells_[0]["rows"]  # plan_axis puts ar first
         for (method, budget), stats in zip(methods, cells_, strict=True):
@@ -153,7 +153,7 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
             }
             records.append(rec)
         common.write_results(result_name(axis), records, COLUMNS, FLAGS.out_dir or None, {"config": config})
-    bar.done()
+    bar.close()
     if any(r["context_clamped"] for r in records):
         print(f"note: contexts clamped to max_position_embeddings {max_pos} minus generation room")
     return records

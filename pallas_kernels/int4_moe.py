@@ -38,8 +38,8 @@ BLOCK_N = 64  # weight rows per warpgroup (wgmma M)
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Static tiling: `bt` tokens per tile (wgmma N; None: by T, see `choose_bt`), `block_k` input columns per
-    pipeline step, `stages` pipeline steps in flight. Defaults: best of the H200 sweep (experiments/notes_moe.md);
-    2 stages keep SMEM small (~44 KB per CTA), so several CTAs share an SM."""
+    pipeline step, `stages` pipeline steps in flight. 2 stages keep SMEM small (~44 KB per CTA), so several CTAs
+    share an SM (timings of other tilings: experiments/notes_moe.md)."""
 
     bt: int | None = None
     block_k: int = 256

@@ -49,10 +49,10 @@ class MLAConfig:
 def default_config(batch: int, rows: int, max_len: int) -> MLAConfig:
     """Heuristic tiling for `rows = N * Hq` query rows per sequence and a cache of `max_len` slots.
 
-    From H200 tiling sweeps (`experiments.bench_mla --sweep=mixed|decode`): 64-row blocks with 8 warps and 2 stages
-    of 64-slot tiles, splits for about 264 programs; 16-row blocks (decode with few heads) with 4 warps and 3 stages
-    of 32-slot tiles (110 KiB of SMEM, so two programs share an SM), splits for at most 264 programs (one wave of two
-    per SM).
+    More than 32 rows: 64-row blocks with 8 warps and 2 stages of 64-slot tiles, splits for about 264 programs.
+    Fewer (decode with few heads): 16-row blocks with 4 warps and 3 stages of 32-slot tiles (110 KiB of SMEM, so two
+    programs share an SM), splits for at most 264 programs (one wave of two per SM). Tilings are timed by
+    `experiments.bench_mla --sweep=mixed|decode`.
     """
     if rows > 32:
         config = MLAConfig(block_r=64, block_k=64, num_warps=8, num_stages=2)

@@ -25,8 +25,8 @@ SWIZZLE = 64
 SMEM_LIMIT = 232_448  # bytes of shared memory one CTA may use on an H100 / H200
 # Registers per thread the 384-thread CTA launches with: 64K per SM, in steps of 8 (168).
 LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
-# A CTA's fixed cost in KV slots, fitted on an H200 to the 8192-slot verify and decode cells' timings at several
-# split counts (experiments/notes_mla.md, "The kernels as adopted").
+# A CTA's fixed cost in KV slots (Q load, pipeline fill, epilogue, its part of the merge), fitted to H200 timings of
+# 8192-slot verify and decode calls at several split counts (experiments/notes_mla.md).
 SPLIT_OVERHEAD_SLOTS = 256
 
 

@@ -111,8 +111,8 @@ def _kernel(lp_ref, ids_ref, root_ref, tok_ref, par_ref, dep_ref, val_ref, score
 
 def default_warps(tp: int) -> int:
     """Warps per program for Tp node slots. One warp keeps each pop's reductions inside the warp (fastest up to
-    Tp = 64); at Tp = 128 the `[Tp, Tp]` mask no longer fits one warp's registers (experiments/results/
-    bench_tree_warps.md: at budget 64, 1 warp took about 10x as long as 4)."""
+    Tp = 64); at Tp = 128 the `[Tp, Tp]` mask no longer fits one warp's registers, so 4 warps share it (timings:
+    experiments/results/bench_tree_warps.md)."""
     return 1 if tp <= 64 else 4
 
 

@@ -230,7 +230,10 @@ def test_divergence_finds_the_first_difference_and_the_target_gap_there():
 def test_timing_is_interleaved():
     """After one untimed run per (setting, batch), each timing round runs every setting once in turn; a batch's time
     is its median over rounds, so a slow spell in one round cannot land on one setting only."""
+    import io
     from types import SimpleNamespace
+
+    from tqdm import tqdm
 
     from experiments import common
 
@@ -242,7 +245,9 @@ def test_timing_is_interleaved():
             return SimpleNamespace(wall_s=float(next(clock)))
 
     kws = [{"method": "ar", "budget": 1}, {"method": "ddtree", "budget": 8}]
-    (ar_first, ar_med), (dd_first, dd_med) = common.time_interleaved(FakeGen(), [[[10]], [[20]]], kws, 3, print)
+    bar = tqdm(total=len(kws) + 3, file=io.StringIO())
+    (ar_first, ar_med), (dd_first, dd_med) = common.time_interleaved(FakeGen(), [[[10]], [[20]]], kws, 3, bar)
+    assert bar.n == bar.total  # one step per setting's warm-up and per timing round
     warm = [("ar", 1, 10), ("ar", 1, 20), ("ddtree", 8, 10), ("ddtree", 8, 20)]
     assert calls == warm + warm * 3
     assert [f.wall_s for f in ar_first + dd_first] == [1, 2, 3, 4]  # the untimed runs, returned for their outputs
