@@ -21,7 +21,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from ddtree_jax import engine, sharding
+from ddtree_jax import engine, sharding, stops
 from ddtree_jax.config import check_pair
 from ddtree_jax.errors import NumericsError, UserError
 from ddtree_jax.models.dflash import DFlashDrafter
@@ -34,11 +34,14 @@ PROMPT_BUCKET = 32  # prompts are right-padded to a multiple of this, so few sha
 
 @dataclasses.dataclass
 class GenerationResult:
-    tokens: list[list[int]]  # generated ids per row (a stop token included when hit)
-    stats: list[dict]  # per row: rounds, tokens_per_round, accept_hist (count of rounds committing 1..D+1 tokens)
+    tokens: list[list[int]]  # generated ids per row (a stop token, or the tokens spelling a stop string, included)
+    texts: list[str] | None  # the rows' tokens decoded (cut before a stop string), when the Generator has a tokenizer
+    # per row: rounds, tokens_per_round, accept_hist (count of rounds committing 1..D+1 tokens), finish_reason
+    # ("stop": a stop token id or stop string ended it, "length": max_new_tokens did)
+    stats: list[dict]
     wall_s: float  # execution time of the compiled program (compilation excluded)
     compile_s: float  # compilation time paid by this call (0 when cached)
-    tokens_per_s: float  # generated tokens of the whole batch / wall_s
+    tokens_per_s: float  # tokens the program generated for the whole batch (past stop strings too) / wall_s
     spec: engine.GenSpec  # the program that ran
 
 
@@ -109,9 +112,18 @@ class Generator:
         temperature: float,
         max_new_tokens: int,
         ignore_eos: bool,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
         kernels: Kernels | None = None,
     ) -> engine.GenSpec:
-        """The program for these settings; kernels None: `Kernels.from_env()` (read now)."""
+        """The program for these settings; kernels None: `Kernels.from_env()` (read now). Its stop ids are
+        stop_token_ids and, unless ignore_eos, the target's EOS ids; ids outside the vocabulary are a ValueError."""
+        vocab = self.target.config.vocab_size
+        bad = [i for i in stop_token_ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"stop token ids {bad} outside the vocabulary [0, {vocab})")
+        eos = () if ignore_eos else self.target.config.stop_token_ids
         return engine.GenSpec(
             method=method,
             batch=batch,
@@ -119,7 +131,9 @@ class Generator:
             max_new_tokens=max_new_tokens,
             budget=budget,
             temperature=float(temperature),
-            stop_ids=() if ignore_eos else self.target.config.stop_token_ids,
+            top_k=top_k,
+            top_p=float(top_p),
+            stop_ids=tuple(sorted({*stop_token_ids, *eos})),
             kernels=Kernels.from_env() if kernels is None else kernels,
         )
 
@@ -164,6 +178,10 @@ class Generator:
         seed: int = 0,
         request_indices: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
         pad_batch_to: int | None = None,
         kernels: Kernels | None = None,
     ) -> GenerationResult:
@@ -174,9 +192,18 @@ class Generator:
         index (e.g. its position in a file) to draw independent samples; the same (seed, index) repeats a sample.
         pad_batch_to: run the program at this batch size (extra rows repeat the last prompt and are dropped) so
         batches share one compilation. kernels: the kernel selection (None: `Kernels.from_env()`); each selection
-        compiles its own program."""
+        compiles its own program.
+
+        top_k / top_p (temperature > 0): sample from the top-k, then top-p (nucleus) set (`sampling.transform_logits`);
+        every method samples from that same distribution. stop_token_ids: extra ids that end a row on device (with
+        the target's EOS ids; ignore_eos drops only the EOS ids). stop_strings (needs the tokenizer): each row is cut
+        on the host at the first stop string in its generated text (`stops.cut_at_stop_strings`); the program still
+        runs until max_new_tokens or a stop id."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        stop_strings = stops.check_stop_strings(stop_strings)
+        if stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need the target's tokenizer (tiktoken.model or tokenizer.json)")
         indices = list(range(len(prompts))) if request_indices is None else list(request_indices)
         if len(indices) != len(prompts):
             raise ValueError(f"{len(indices)} request_indices for {len(prompts)} prompts")
@@ -194,6 +221,9 @@ class Generator:
             "temperature": temperature,
             "max_new_tokens": max_new_tokens,
             "ignore_eos": ignore_eos,
+            "top_k": top_k,
+            "top_p": top_p,
+            "stop_token_ids": stop_token_ids,
             "kernels": kernels,
         }
         spec = self.spec_for(prompts, method=method, budget=budget, pad_batch_to=pad_batch_to, **settings)
@@ -217,6 +247,15 @@ class Generator:
                     "no tokens were emitted past that point"
                 )
         result_tokens = [tokens[i, : n_out[i]].tolist() for i in range(n)]
+        total = sum(len(t) for t in result_tokens)
+        finish = [stops.STOP if t[-1] in spec.stop_ids else stops.LENGTH for t in result_tokens]
+        texts = None if self.tokenizer is None else [self.tokenizer.decode(t) for t in result_tokens]
+        if stop_strings:
+            for i in range(n):
+                result_tokens[i], texts[i], hit = stops.cut_at_stop_strings(
+                    result_tokens[i], stop_strings, self.tokenizer.decode
+                )
+                finish[i] = stops.STOP if hit else finish[i]
         stats = []
         for i in range(n):
             taus = np.arange(hist.shape[1])
@@ -226,10 +265,10 @@ class Generator:
                     "rounds": r,
                     "tokens_per_round": float((hist[i] * taus).sum() / r) if r else 0.0,
                     "accept_hist": hist[i, 1:].tolist(),
+                    "finish_reason": finish[i],
                 }
             )
-        total = sum(len(t) for t in result_tokens)
-        return GenerationResult(result_tokens, stats, wall, compile_s, total / wall if wall > 0 else 0.0, spec)
+        return GenerationResult(result_tokens, texts, stats, wall, compile_s, total / wall if wall > 0 else 0.0, spec)
 
 
 def trained_context(target_dir: Path) -> int | None:
