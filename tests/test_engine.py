@@ -290,6 +290,28 @@ def test_sampling_matches_target_distribution(method, budget, monkeypatch):
     assert chi_square_z(sample_tokens(), seqs, probs, vocab) > 10
 
 
+def test_transform_logits_keeps_ties_and_the_top_token():
+    """top_k keeps every token tied with the k-th; top_p the fewest tokens of mass >= top_p plus ties with the last of
+    them, computed on the temperature-scaled, top-k-renormalised distribution; the top token always stays."""
+    from ddtree_jax.sampling import transform_logits
+
+    logits = jnp.log(jnp.array([[0.4, 0.2, 0.2, 0.1, 0.1], [0.9, 0.04, 0.03, 0.02, 0.01]]))
+
+    def kept(**kw):
+        return np.isfinite(np.asarray(transform_logits(logits, **kw))).astype(int).tolist()
+
+    assert kept(temperature=1.0, top_k=2) == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
+    assert kept(temperature=1.0, top_p=0.5) == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+    assert kept(temperature=1.0, top_p=0.01) == [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
+    # top-k first: row 1 renormalised over {0.9, 0.04} puts 0.957 on the first token, so top_p=0.95 keeps it alone
+    assert kept(temperature=1.0, top_k=2, top_p=0.95) == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+    assert kept(temperature=1.0, top_p=0.95) == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # temperature first: at 0.5 row 1's top token has mass 0.9^2 / 0.8130 = 0.996
+    assert kept(temperature=0.5, top_p=0.99) == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    scaled = np.asarray(transform_logits(logits, temperature=0.5, top_k=2))
+    np.testing.assert_allclose(scaled[0, :3], np.asarray(logits[0, :3]) / 0.5, rtol=1e-6)
+
+
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 @pytest.mark.parametrize(
     "temperature,top_k,top_p", [(1.0, 3, 1.0), (1.0, 0, 0.7), (0.7, 4, 0.75)], ids=["top_k", "top_p", "both"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_engine import make_pair
@@ -33,6 +35,21 @@ def test_cut_at_stop_strings(stop_strings: list[str], ids: list[int], text: str)
 
 def test_no_stop_string_found_keeps_everything() -> None:
     assert stops.cut_at_stop_strings([0, 1, 2], ["END", "\n"], decode) == ([0, 1, 2], "Hello world", False)
+
+
+def test_cut_with_kimi_tokenizer_and_multibyte_text(tmp_path: Path) -> None:
+    """Byte-level BPE: a stop string made of merged tokens, one ending in a two-byte character, one starting inside
+    a token; the ids decode to the text up to and including the stop string."""
+    from test_tokenizer import write_tiktoken
+
+    from ddtree_jax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(write_tiktoken(tmp_path))
+    ids = tok.encode("hello world, café au lait. hello")
+    for stop, before in [("d, caf\u00e9", "hello worl"), ("llo", "he"), ("\u00e9 a", "hello world, caf")]:
+        cut, text, hit = stops.cut_at_stop_strings(ids, [stop], tok.decode)
+        assert hit and text == before
+        assert tok.decode(cut).startswith(before + stop) and stop not in tok.decode(cut[:-1])
 
 
 @pytest.mark.parametrize("bad", ["END", [""], ["a", 3]])
