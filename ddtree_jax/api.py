@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from ddtree_jax import engine, sharding
+from ddtree_jax import engine, sharding, stops
 from ddtree_jax.config import check_pair
 from ddtree_jax.errors import NumericsError, UserError
 from ddtree_jax.models.dflash import DFlashDrafter
@@ -50,16 +50,17 @@ class GenerationResult:
     """One `generate` call. The batch runs as one program: `wall_s` is its execution for the whole batch
     (compilation excluded, that is `compile_s`), and `tokens_per_s` the aggregate rate over it. A row leaves the
     loop when it finishes, so its own latency is estimated from its rounds: stats' `est_latency_s` is wall_s x the
-    row's rounds / `batch_rounds` (prefill shared pro rata), `est_tokens_per_s` the row's tokens over that."""
+    row's rounds / `batch_rounds` (prefill shared pro rata), `est_tokens_per_s` the row's tokens over that. Rates
+    count every token the program generated, also those past a stop string."""
 
-    tokens: list[list[int]]  # generated ids per row (a stop token included when hit)
-    texts: list[str] | None  # the rows' tokens decoded, when the Generator has a tokenizer
-    # per row: rounds, tokens_per_round, accept_hist (count of rounds committing 1..D+1 tokens), est_latency_s,
-    # est_tokens_per_s
+    tokens: list[list[int]]  # generated ids per row (a stop token, or the tokens spelling a stop string, included)
+    texts: list[str] | None  # the rows' tokens decoded (cut before a stop string), when the Generator has a tokenizer
+    # per row: rounds, tokens_per_round, accept_hist (count of rounds committing 1..D+1 tokens), finish_reason
+    # ("stop": a stop token id or stop string ended it, "length": max_new_tokens did), est_latency_s, est_tokens_per_s
     stats: list[dict]
     wall_s: float  # execution seconds of the compiled program for the whole batch (compilation excluded)
     compile_s: float  # compilation seconds paid by this call (0 when cached)
-    tokens_per_s: float  # aggregate: generated tokens of the whole batch / wall_s
+    tokens_per_s: float  # aggregate: tokens the program generated for the whole batch / wall_s
     batch_rounds: int  # rounds the program ran: its longest row's
     spec: engine.GenSpec  # the program that ran
 
@@ -133,9 +134,18 @@ class Generator:
         temperature: float,
         max_new_tokens: int,
         ignore_eos: bool,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
         kernels: Kernels | None = None,
     ) -> engine.GenSpec:
-        """The program for these settings; kernels None: `Kernels.from_env()` (read now)."""
+        """The program for these settings; kernels None: `Kernels.from_env()` (read now). Its stop ids are
+        stop_token_ids and, unless ignore_eos, the target's EOS ids; ids outside the vocabulary are a ValueError."""
+        vocab = self.target.config.vocab_size
+        bad = [i for i in stop_token_ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"stop token ids {bad} outside the vocabulary [0, {vocab})")
+        eos = () if ignore_eos else self.target.config.stop_token_ids
         return engine.GenSpec(
             method=method,
             batch=batch,
@@ -143,7 +153,9 @@ class Generator:
             max_new_tokens=max_new_tokens,
             budget=budget,
             temperature=float(temperature),
-            stop_ids=() if ignore_eos else self.target.config.stop_token_ids,
+            top_k=top_k,
+            top_p=float(top_p),
+            stop_ids=tuple(sorted({*stop_token_ids, *eos})),
             kernels=Kernels.from_env() if kernels is None else kernels,
         )
 
@@ -188,6 +200,10 @@ class Generator:
         seed: int = 0,
         request_indices: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
         pad_batch_to: int | None = None,
         kernels: Kernels | None = None,
     ) -> GenerationResult:
@@ -198,9 +214,18 @@ class Generator:
         index (e.g. its position in a file) to draw independent samples; the same (seed, index) repeats a sample.
         pad_batch_to: run the program at this batch size (extra rows repeat the last prompt and are dropped) so
         batches share one compilation. kernels: the kernel selection (None: `Kernels.from_env()`); each selection
-        compiles its own program."""
+        compiles its own program.
+
+        top_k / top_p (temperature > 0): sample from the top-k, then top-p (nucleus) set (`sampling.transform_logits`);
+        every method samples from that same distribution. stop_token_ids: extra ids that end a row on device (with
+        the target's EOS ids; ignore_eos drops only the EOS ids). stop_strings (needs the tokenizer): each row is cut
+        on the host at the first stop string in its generated text (`stops.cut_at_stop_strings`); the program still
+        runs until max_new_tokens or a stop id."""
         if not prompts or any(isinstance(p, str) or len(p) == 0 for p in prompts):
             raise ValueError("prompts are non-empty lists of token ids (`generate_text` takes strings or messages)")
+        stop_strings = stops.check_stop_strings(stop_strings)
+        if stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need the target's tokenizer (tiktoken.model or tokenizer.json)")
         indices = list(range(len(prompts))) if request_indices is None else list(request_indices)
         if len(indices) != len(prompts):
             raise ValueError(f"{len(indices)} request_indices for {len(prompts)} prompts")
@@ -218,6 +243,9 @@ class Generator:
             "temperature": temperature,
             "max_new_tokens": max_new_tokens,
             "ignore_eos": ignore_eos,
+            "top_k": top_k,
+            "top_p": top_p,
+            "stop_token_ids": stop_token_ids,
             "kernels": kernels,
         }
         spec = self.spec_for(prompts, method=method, budget=budget, pad_batch_to=pad_batch_to, **settings)
@@ -242,6 +270,15 @@ class Generator:
                 )
         result_tokens = [tokens[i, : n_out[i]].tolist() for i in range(n)]
         batch_rounds = int(rounds[:n].max())
+        generated = [len(t) for t in result_tokens]
+        finish = [stops.STOP if t[-1] in spec.stop_ids else stops.LENGTH for t in result_tokens]
+        texts = None if self.tokenizer is None else [self.tokenizer.decode(t) for t in result_tokens]
+        if stop_strings:
+            for i in range(n):
+                result_tokens[i], texts[i], hit = stops.cut_at_stop_strings(
+                    result_tokens[i], stop_strings, self.tokenizer.decode
+                )
+                finish[i] = stops.STOP if hit else finish[i]
         stats = []
         for i in range(n):
             taus = np.arange(hist.shape[1])
@@ -252,13 +289,12 @@ class Generator:
                     "rounds": r,
                     "tokens_per_round": float((hist[i] * taus).sum() / r) if r else 0.0,
                     "accept_hist": hist[i, 1:].tolist(),
+                    "finish_reason": finish[i],
                     "est_latency_s": latency,
-                    "est_tokens_per_s": len(result_tokens[i]) / latency if latency > 0 else 0.0,
+                    "est_tokens_per_s": generated[i] / latency if latency > 0 else 0.0,
                 }
             )
-        total = sum(len(t) for t in result_tokens)
-        texts = None if self.tokenizer is None else [self.tokenizer.decode(t) for t in result_tokens]
-        rate = total / wall if wall > 0 else 0.0
+        rate = sum(generated) / wall if wall > 0 else 0.0
         return GenerationResult(result_tokens, texts, stats, wall, compile_s, rate, batch_rounds, spec)
 
     def generate_text(

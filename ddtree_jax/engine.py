@@ -43,7 +43,9 @@ class GenSpec:
     max_new_tokens: int
     budget: int = 16  # non-root tree nodes (ddtree); the chain uses D
     temperature: float = 0.0
-    stop_ids: tuple[int, ...] = ()
+    top_k: int = 0  # sampling: keep the k most likely tokens; 0 = all (`sampling.transform_logits`)
+    top_p: float = 1.0  # sampling: keep the nucleus of this mass; 1 = all
+    stop_ids: tuple[int, ...] = ()  # a row ends at its first token in these (included in its output)
     prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks (absorbed MLA over the cache)
     kernels: dispatch.Kernels = dataclasses.field(default_factory=dispatch.Kernels.from_env)  # traced into the program
 
@@ -52,6 +54,10 @@ class GenSpec:
             raise ValueError(f"method {self.method!r} not one of {METHODS}")
         if min(self.budget, self.max_new_tokens, self.batch, self.prompt_len, self.prefill_chunk) < 1:
             raise ValueError(f"invalid GenSpec {self}")
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={self.top_k}, top_p={self.top_p}")
+        if self.temperature == 0.0 and (self.top_k or self.top_p < 1.0):
+            raise ValueError("top_k and top_p need temperature > 0 (temperature 0 is greedy)")
 
 
 class LoopState(NamedTuple):
@@ -108,6 +114,12 @@ def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
     if not stop_ids:
         return jnp.zeros(tokens.shape, bool)
     return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
+
+
+def _sample(spec: GenSpec, logits: jax.Array, keys: jax.Array) -> jax.Array:
+    """logits `[B, ..., V]`, keys `[B]` -> tokens `[B, ...]` drawn as `spec` says: the one draw of prefill, `ar` and
+    verify alike."""
+    return sample(logits, keys, spec.temperature, spec.top_k, spec.top_p)
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -204,7 +216,7 @@ def prefill(
     (cache, dcache, last), _ = jax.lax.scan(step, (cache, dcache, last0), jnp.arange(n_chunks))
     keys, sub = split_rows(keys)
     logits = target.logits(last)
-    first = sample(logits, sub, spec.temperature)
+    first = _sample(spec, logits, sub)
     finite = _finite_rows(logits)
     out = jnp.zeros((b, spec.max_new_tokens + d + 1), jnp.int32).at[:, 0].set(first)
     done = _is_stop(first, spec.stop_ids) | (spec.max_new_tokens <= 1) | ~finite
@@ -256,7 +268,7 @@ def ar_round(target: KimiForCausalLM, spec: GenSpec, s: LoopState) -> LoopState:
     with jax.named_scope("step"):
         fwd = target(s.root[:, None], s.start[:, None], s.cache, s.start, kernels=spec.kernels)
         logits = target.logits(fwd.hidden[:, 0])
-        nxt = sample(logits, sub, spec.temperature)
+        nxt = _sample(spec, logits, sub)
         tau = jnp.ones_like(nxt)
         return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, _finite_rows(logits), keys=keys)
 
@@ -317,7 +329,7 @@ def verify(
     layers = drafter.config.target_layer_ids
     fwd = target(tree.tokens, positions, s.cache, s.start, mask, feature_layers=layers, kernels=spec.kernels)
     logits = target.logits(fwd.hidden)
-    return fwd, sample(logits, keys, spec.temperature), _finite_rows(logits)
+    return fwd, _sample(spec, logits, keys), _finite_rows(logits)
 
 
 def accept(

@@ -8,6 +8,11 @@ input is a one-line `error:` with exit code 2. Each finished batch is written to
 input order; an existing --output is refused unless --overwrite (replace it) or --resume (skip the ids already
 there). Before loading, the run's per-device memory (`ddtree_jax.memory.plan`) is compared with the device's free
 memory ($DDTREE_FREE_BYTES overrides it) and a run that cannot fit is refused with what would.
+
+Sampling (--temperature > 0) draws from the temperature -> --top_k -> --top_p distribution, the same for every
+method. A request stops on device at the model's EOS ids (unless --ignore_eos) or a --stop_token_ids id; --stop
+strings are matched on the host after generation. Each record's stats say why it ended: finish_reason "stop" or
+"length".
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ flags.DEFINE_string(
 flags.DEFINE_enum("method", "ddtree", ["ar", "dflash", "ddtree"], "Decoding method.")
 flags.DEFINE_integer("budget", 16, "DDTree node budget per round.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
+flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (ties with the k-th kept); 0 = all.")
+flags.DEFINE_float("top_p", 1.0, "Sample from the nucleus of this probability mass, after --top_k; 1 = all.")
+flags.DEFINE_list(
+    "stop_token_ids", [], "Extra token ids that end a request (kept in its output), e.g. 7,42; --ignore_eos keeps them."
+)
+flags.DEFINE_multi_string(
+    "stop", [], "A stop string (repeatable): the text is cut before its first occurrence. Needs the tokenizer."
+)
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate per prompt.")
 flags.DEFINE_string(
     "prompts",
@@ -52,7 +65,7 @@ flags.DEFINE_enum(
     ["auto", "bfloat16", "float32"],
     "Weights / activations. auto: float32 on a CPU (exact: every method gives the same tokens), bfloat16 on a GPU.",
 )
-flags.DEFINE_bool("ignore_eos", False, "Generate max_new_tokens even past a stop token.")
+flags.DEFINE_bool("ignore_eos", False, "Generate past the model's EOS tokens (not past --stop_token_ids).")
 flags.DEFINE_integer("seed", 0, "Sampling seed; a request's samples depend only on (seed, its index in --prompts).")
 flags.DEFINE_bool("resume", False, "Keep the existing --output and skip the ids already in it.")
 flags.DEFINE_bool("overwrite", False, "Replace an existing --output (refused without this or --resume).")
@@ -76,6 +89,15 @@ def validate_flags() -> None:
             raise UserError(f"--{name} must be >= {low}, got {FLAGS[name].value}")
     if not 0 <= FLAGS.temperature < math.inf:
         raise UserError(f"--temperature must be finite and >= 0 (0 = greedy), got {FLAGS.temperature}")
+    if FLAGS.top_k < 0:
+        raise UserError(f"--top_k must be >= 0 (0 = all tokens), got {FLAGS.top_k}")
+    if not 0 < FLAGS.top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1] (1 = all tokens), got {FLAGS.top_p}")
+    if FLAGS.temperature == 0 and (FLAGS.top_k or FLAGS.top_p < 1):
+        raise UserError("--top_k and --top_p need --temperature > 0 (--temperature=0 is greedy)")
+    stop_token_ids()
+    if "" in FLAGS.stop:
+        raise UserError("--stop must not be empty")
     if FLAGS.mesh is not None:
         parse_mesh_spec(FLAGS.mesh)
     if FLAGS.method != "ar" and not FLAGS.drafter:
@@ -91,6 +113,19 @@ def validate_flags() -> None:
         raise UserError("--resume keeps --output and --overwrite replaces it: pass one of them")
     if out.exists() and not (FLAGS.resume or FLAGS.overwrite):
         raise UserError(f"--output {out} exists: pass --overwrite to replace it or --resume to continue it")
+
+
+def stop_token_ids(vocab_size: int | None = None) -> list[int]:
+    """--stop_token_ids as integers, each >= 0 and, given the vocabulary size, below it; raises `UserError`."""
+    try:
+        ids = [int(t) for t in FLAGS.stop_token_ids]
+    except ValueError:
+        raise UserError(f"--stop_token_ids must be integers, got {','.join(FLAGS.stop_token_ids)}") from None
+    bad = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
+    if bad:
+        limit = "" if vocab_size is None else f" [0, {vocab_size})"
+        raise UserError(f"--stop_token_ids {bad} outside the vocabulary{limit}")
+    return ids
 
 
 def draft_slots(method: str, drafter: DFlashConfig | None) -> int:
@@ -134,8 +169,9 @@ def summary_table(records: Sequence[dict[str, Any]], exec_s: float, compile_s: f
 
 def make_record(p: Prompt, tokens: list[int], stats: dict[str, Any], batch: dict[str, Any], text: str | None):
     """One output line. `stats`: this request's rounds, tokens per round and its estimated latency and tok/s
-    (`api.GenerationResult`); `stats.batch`: the batch it ran in (size, rounds, execution seconds, aggregate tok/s)."""
-    own = ("rounds", "tokens_per_round", "est_latency_s", "est_tokens_per_s")
+    (`api.GenerationResult`) and finish_reason ("stop": a stop token id or --stop string, "length": --max_new_tokens);
+    `stats.batch`: the batch it ran in (size, rounds, execution seconds, aggregate tok/s)."""
+    own = ("rounds", "tokens_per_round", "finish_reason", "est_latency_s", "est_tokens_per_s")
     return {
         "id": p.id,
         "token_ids": list(tokens),
@@ -158,7 +194,10 @@ def main(argv: Sequence[str]) -> None:
         context_limit = min(context_limit, drafter_cfg.max_position_embeddings)
         if FLAGS.method == "ddtree":
             warn_budget(FLAGS.budget, drafter_cfg)
+    user_stop_ids = stop_token_ids(target_cfg.vocab_size)
     tokenizer = load_tokenizer(target_dir) if has_tokenizer(target_dir) else None
+    if FLAGS.stop and tokenizer is None:
+        raise UserError(f"--stop: {FLAGS.target} has no tokenizer (tiktoken.model or tokenizer.json) to match text")
     if FLAGS.chat and (tokenizer is None or not tokenizer.has_chat_format):
         missing = "no tokenizer" if tokenizer is None else "a tokenizer without a chat format (tokenizer.json)"
         raise UserError(f"--chat: {FLAGS.target} has {missing}; Kimi's tiktoken.model has the chat format")
@@ -216,6 +255,10 @@ def main(argv: Sequence[str]) -> None:
             request_indices=[i for i, _ in batch],
             kernels=kernels,
             ignore_eos=FLAGS.ignore_eos,
+            top_k=FLAGS.top_k,
+            top_p=FLAGS.top_p,
+            stop_token_ids=user_stop_ids,
+            stop_strings=FLAGS.stop,
             pad_batch_to=min(FLAGS.batch_size, len(todo)),  # a short last batch reuses the full batch's program
         )
         about = {"requests": len(batch), "rounds": res.batch_rounds, "exec_s": res.wall_s}

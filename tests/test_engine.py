@@ -196,8 +196,31 @@ def test_precompile_on_threads_serves_later_calls():
 # ---- temperature > 0: the distribution of generated sequences is the target's -------------------------------
 
 
-def exact_joint(target, prompt, vocab, steps):
-    """p(t1..t_steps | prompt) for every sequence, from the target's own conditionals at temperature 1."""
+def reference_log_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, float]:
+    """log q `[N, V]` float64 of the sampling distribution for logits `[N, V]`, written apart from
+    `sampling.transform_logits`: softmax(logits / temperature) restricted to the tokens whose logit is >= the k-th
+    largest, renormalised, then to the fewest most probable tokens of mass >= top_p (ties with the last included),
+    renormalised. Also returns the smallest distance of a cumulative mass to top_p (how safely f32 agrees)."""
+    x = logits.astype(np.float64) / temperature
+    if top_k:
+        x = np.where(x >= np.sort(x, axis=1)[:, -top_k][:, None], x, -np.inf)
+    q = np.exp(x - x.max(1, keepdims=True))
+    q /= q.sum(1, keepdims=True)
+    margin = np.inf
+    if top_p < 1:
+        ranked = -np.sort(-q, axis=1)
+        cum = np.cumsum(ranked, axis=1)
+        last = np.argmax(cum >= top_p, axis=1)  # the first rank reaching top_p
+        q = np.where(q >= ranked[np.arange(len(q)), last][:, None], q, 0.0)
+        q /= q.sum(1, keepdims=True)
+        margin = np.abs(cum - top_p).min()
+    with np.errstate(divide="ignore"):
+        return np.log(q), margin
+
+
+def exact_joint(target, prompt, vocab, steps, temperature=1.0, top_k=0, top_p=1.0):
+    """q(t1..t_steps | prompt) for every sequence, from the target's own conditionals transformed as the sampler
+    transforms them (`reference_log_probs`)."""
     seqs = np.array(np.meshgrid(*[np.arange(vocab)] * steps, indexing="ij")).reshape(steps, -1).T
     full = np.concatenate([np.broadcast_to(prompt, (len(seqs), len(prompt))), seqs], 1)
     n = full.shape[1]
@@ -207,9 +230,13 @@ def exact_joint(target, prompt, vocab, steps):
         target.init_cache(len(seqs), n),
         jnp.zeros((len(seqs),), jnp.int32),
     )
-    logp = np.asarray(jax.nn.log_softmax(target.logits(out.hidden), -1), np.float64)
+    logits = np.asarray(target.logits(out.hidden), np.float64)
     p0 = len(prompt) - 1
-    total = sum(logp[np.arange(len(seqs)), p0 + j, seqs[:, j]] for j in range(steps))
+    total = 0.0
+    for j in range(steps):
+        logq, margin = reference_log_probs(logits[:, p0 + j], temperature, top_k, top_p)
+        assert margin > 1e-4, f"a cumulative mass within {margin:.1e} of top_p: f32 and f64 might keep other sets"
+        total = total + logq[np.arange(len(seqs)), seqs[:, j]]
     return seqs, np.exp(total)
 
 
@@ -261,6 +288,58 @@ def test_sampling_matches_target_distribution(method, budget, monkeypatch):
     assert abs(chi_square_z(sample_tokens(), seqs, probs, vocab)) < 5
     monkeypatch.setattr(ddtree, "follow_verified_tree", biased_walk(ddtree.follow_verified_tree))
     assert chi_square_z(sample_tokens(), seqs, probs, vocab) > 10
+
+
+def test_transform_logits_keeps_ties_and_the_top_token():
+    """top_k keeps every token tied with the k-th; top_p the fewest tokens of mass >= top_p plus ties with the last of
+    them, computed on the temperature-scaled, top-k-renormalised distribution; the top token always stays."""
+    from ddtree_jax.sampling import transform_logits
+
+    logits = jnp.log(jnp.array([[0.4, 0.2, 0.2, 0.1, 0.1], [0.9, 0.04, 0.03, 0.02, 0.01]]))
+
+    def kept(**kw):
+        return np.isfinite(np.asarray(transform_logits(logits, **kw))).astype(int).tolist()
+
+    assert kept(temperature=1.0, top_k=2) == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
+    assert kept(temperature=1.0, top_p=0.5) == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+    assert kept(temperature=1.0, top_p=0.01) == [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
+    # top-k first: row 1 renormalised over {0.9, 0.04} puts 0.957 on the first token, so top_p=0.95 keeps it alone
+    assert kept(temperature=1.0, top_k=2, top_p=0.95) == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+    assert kept(temperature=1.0, top_p=0.95) == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # temperature first: at 0.5 row 1's top token has mass 0.9^2 / 0.8130 = 0.996
+    assert kept(temperature=0.5, top_p=0.99) == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    scaled = np.asarray(transform_logits(logits, temperature=0.5, top_k=2))
+    np.testing.assert_allclose(scaled[0, :3], np.asarray(logits[0, :3]) / 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 3, 1.0), (1.0, 0, 0.7), (0.7, 4, 0.75)], ids=["top_k", "top_p", "both"]
+)
+def test_top_k_top_p_sampling_matches_transformed_distribution(method, temperature, top_k, top_p, monkeypatch):
+    """Every method samples sequences from the target's temperature -> top-k -> top-p distribution (the exact one,
+    `exact_joint`): no sequence outside it, frequencies within |z| < 5. The lossy walk is still detected."""
+    vocab, steps, n = 6, 3, 3000
+    target, drafter = make_pair(7, vocab=vocab, block=4)
+    prompt = np.array([1, 4, 2, 3], np.int32)
+    seqs, probs = exact_joint(target, prompt, vocab, steps, temperature, top_k, top_p)
+    assert (probs == 0).sum() > len(probs) // 2  # the transform removes most sequences
+    prompts, plen = np.broadcast_to(prompt, (n, 4)).copy(), np.full((n,), 4, np.int32)
+    spec = engine.GenSpec(method, n, 4, steps, budget=12, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def sample_tokens():
+        got, _ = run(target, drafter if method != "ar" else None, spec, prompts, plen, int(np.random.randint(1 << 30)))
+        return np.array(got)
+
+    got = sample_tokens()
+    codes = got @ (vocab ** np.arange(steps)[::-1])
+    assert probs[codes].min() > 0, "sampled a sequence outside the top-k / top-p set"
+    z = chi_square_z(got, seqs, probs, vocab)
+    print(f"{method} temperature={temperature} top_k={top_k} top_p={top_p}: z = {z:.2f}")
+    assert abs(z) < 5
+    if method == "ddtree" and top_k and top_p < 1:
+        monkeypatch.setattr(ddtree, "follow_verified_tree", biased_walk(ddtree.follow_verified_tree))
+        assert chi_square_z(sample_tokens(), seqs, probs, vocab) > 10
 
 
 # ---- reliability: numerics guard and determinism ------------------------------------------------------------

@@ -127,6 +127,14 @@ def cli(tmp_path: Path) -> Cli:
         ("max_new_tokens", 0, "--max_new_tokens must be >= 1, got 0"),
         ("temperature", -0.5, "--temperature must be finite and >= 0"),
         ("temperature", "nan", "--temperature must be finite and >= 0"),
+        ("top_k", -1, "--top_k must be >= 0 (0 = all tokens), got -1"),
+        ("top_p", 0, "--top_p must be in (0, 1] (1 = all tokens), got 0.0"),
+        ("top_p", 1.5, "--top_p must be in (0, 1] (1 = all tokens), got 1.5"),
+        ("top_p", 0.9, "--top_k and --top_p need --temperature > 0 (--temperature=0 is greedy)"),
+        ("stop_token_ids", "7,x", "--stop_token_ids must be integers, got 7,x"),
+        ("stop_token_ids", "-3", "--stop_token_ids [-3] outside the vocabulary"),
+        ("stop_token_ids", f"5,{VOCAB}", f"--stop_token_ids [{VOCAB}] outside the vocabulary [0, {VOCAB})"),
+        ("stop", "", "--stop must not be empty"),
         ("budget", "many", "flag --budget=many"),
         ("method", "beam", "flag --method=beam: value should be one of <ar|dflash|ddtree>"),
         ("dtype", "int8", "flag --dtype=int8"),
@@ -181,6 +189,12 @@ def test_chat_without_chat_format_refused(cli: Cli) -> None:
     (cli.target / "tiktoken.model").unlink()
     Tokenizer(models.WordLevel({"hello": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(cli.target / "tokenizer.json"))
     cli.assert_user_error(cli.run(chat=True), "--chat:", "a tokenizer without a chat format")
+
+
+def test_stop_string_without_tokenizer_refused(cli: Cli) -> None:
+    (cli.target / "tiktoken.model").unlink()
+    cli.write_prompts({"id": "b", "prompt_ids": [1, 2, 3]})
+    cli.assert_user_error(cli.run(stop="\n\n"), "--stop:", "has no tokenizer")
 
 
 def test_messages_rows_need_a_chat_format(cli: Cli) -> None:
@@ -320,7 +334,8 @@ class FakeGenerator:
         self.calls.append({"prompts": prompts, **kw})
         tokens = [[p[-1] + 1, p[-1] + 2] for p in prompts]
         stats = [
-            {"rounds": 1, "tokens_per_round": 2.0, "accept_hist": [0, 1], "est_latency_s": 0.5, "est_tokens_per_s": 4.0}
+            {"rounds": 1, "tokens_per_round": 2.0, "accept_hist": [0, 1], "finish_reason": "length"}
+            | {"est_latency_s": 0.5, "est_tokens_per_s": 4.0}
             for _ in prompts
         ]
         texts = ["".join(map(chr, t)) for t in tokens]
@@ -370,6 +385,10 @@ def test_batches_in_input_order_with_resume(
         "seed": 3,
         "request_indices": [0, 2],  # positions in the prompts file: they seed each request's sampling
         "ignore_eos": True,
+        "top_k": 0,
+        "top_p": 1.0,
+        "stop_token_ids": [],
+        "stop_strings": [],
         "pad_batch_to": 2,  # every batch runs at min(--batch_size, prompts), so the last reuses its program
         "kernels": Kernels(),
     }
@@ -384,6 +403,7 @@ def test_batches_in_input_order_with_resume(
         "stats": {
             "rounds": 1,
             "tokens_per_round": 2.0,
+            "finish_reason": "length",
             "est_latency_s": 0.5,  # this request's share of its batch's execution, from its rounds
             "est_tokens_per_s": 4.0,
             "batch": {"requests": 1, "rounds": 1, "exec_s": 0.5, "tokens_per_s": 4.0},  # labelled as the batch's
@@ -403,3 +423,11 @@ def test_default_dtype_is_float32_on_a_cpu(cli: Cli, fake_engine: type[FakeGener
     import jax.numpy as jnp
 
     assert fake_engine.calls[0]["load"][2] == jnp.float32
+
+
+def test_sampling_and_stop_flags_reach_generate(cli: Cli, fake_engine: type[FakeGenerator]) -> None:
+    extra = ["--temperature=0.5", "--top_k=5", "--top_p=0.9", "--stop_token_ids=7,9", "--stop=ab", "--stop=\n\n"]
+    run_in_process(cli, *extra, "--ignore_eos", "--max_new_tokens=5")
+    _, *gens = fake_engine.calls
+    want = {"top_k": 5, "top_p": 0.9, "stop_token_ids": [7, 9], "stop_strings": ["ab", "\n\n"], "ignore_eos": True}
+    assert all({k: g[k] for k in want} == want for g in gens)
