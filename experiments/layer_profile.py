@@ -56,7 +56,7 @@ from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
 from ddtree_jax.models.params import param_table
 from experiments import common, device_profile, rank_model, round_pieces
-from experiments.mla_common import per_call_time
+from experiments.mla_common import copy_bandwidth, per_call_time
 from experiments.progress import Progress
 
 FLAGS = flags.FLAGS
@@ -185,17 +185,21 @@ def loop_program(target, drafter, cell: Cell, state: engine.LoopState, k: int) -
     return jax.jit(run).lower(ts, ds, state).compile()
 
 
-def copy_rate(mb: float, inner: int, repeats: int) -> float:
-    """Bytes read + written per second by `x -> x + 1` over a bf16 buffer of `mb` MB (random values), as a loop
-    carried `k` times (`per_call_time`, the same timing as the rounds)."""
+def copy_rate(mb: float, inner: int, repeats: int) -> dict[str, float]:
+    """Copy rates of a bf16 buffer of `mb` MB (random values), bytes read + written per second: `loop`, `x -> x + 1`
+    carried through a loop of k passes (`per_call_time`, the rounds' timing; an optimization barrier per pass, so an
+    unrolled loop cannot fuse the passes), and `single_call` (`mla_common.copy_bandwidth`: one synced call of
+    x + 1, plus PyTorch's copy_ where importable) as a cross-check."""
     x = jax.random.normal(jax.random.key(7), (int(mb * 1e6) // 2,), jnp.bfloat16)
 
     @functools.partial(jax.jit, static_argnums=1)
     def loop(x, k):
-        return lax.fori_loop(0, k, lambda _, v: v + 1, x)
+        return lax.fori_loop(0, k, lambda _, v: lax.optimization_barrier(v + 1), x)
 
     per, _ = per_call_time(lambda k: functools.partial(loop, x, k), inner, repeats)
-    return 2 * x.nbytes / per
+    rates = {"loop": 2 * x.nbytes / per}
+    size = max(int((mb * 1e6 / 32) ** 0.5), 1)  # copy_bandwidth copies size^2 * 16 bf16 values
+    return rates | {f"single_call_{k}": v * 1e12 for k, v in copy_bandwidth(size).items()}
 
 
 def build_layout(layout: str, tiny: bool) -> tuple[KimiForCausalLM, DFlashDrafter]:
@@ -293,41 +297,43 @@ def cells_of(layout: str, block_size: int) -> list[Cell]:
     ]
 
 
-def main(_) -> None:
-    bad = set(FLAGS.layouts) - {"single", "rank"}
-    if bad:
-        raise UserError(f"--layouts: {sorted(bad)} not single or rank")
-    copy_mb = 16.0 if FLAGS.tiny else FLAGS.copy_mb
-    meta = common.metadata()
-    records, cells, rates = [], [], {}
-    extra = {"cells": cells, "copy_tbps": rates, "inner": FLAGS.inner, "repeats": FLAGS.repeats, "tiny": FLAGS.tiny}
-    bar = Progress(len(FLAGS.layouts) * (1 + len(FLAGS.budgets)) * len(FLAGS.concurrency), FLAGS.name)
-    for layout in FLAGS.layouts:
-        target, drafter = build_layout(layout, FLAGS.tiny)
-        rates[layout] = rate = copy_rate(copy_mb, FLAGS.inner, FLAGS.repeats)
-        todo = cells_of(layout, drafter.config.block_size)
-        states = {
-            c: round_pieces.synthetic_state(target, drafter if c.spec.method != "ar" else None, c.spec, c.context)
-            for c in todo
-        }
-        with concurrent.futures.ThreadPoolExecutor(FLAGS.compile_workers) as pool:
-            futures = {
-                (c, k): pool.submit(loop_program, target, drafter if c.spec.method != "ar" else None, c, states[c], k)
-                for c in todo
-                for k in (FLAGS.inner, 2 * FLAGS.inner)
-            }
+def run_layout(layout: str, meta: dict, records: list[dict], cells: list[dict], extra: dict, bar: Progress) -> None:
+    """Build `layout`'s model, measure its copy rate, compile every cell's two loops on threads and profile the
+    cells in order as their programs are ready, writing the results after each."""
+    target, drafter = build_layout(layout, FLAGS.tiny)
+    rates = copy_rate(16.0 if FLAGS.tiny else FLAGS.copy_mb, FLAGS.inner, FLAGS.repeats)
+    extra["copy_rates_tbps"][layout] = {k: v / 1e12 for k, v in rates.items()}
+    todo = cells_of(layout, drafter.config.block_size)
+    drafters = {c: drafter if c.spec.method != "ar" else None for c in todo}
+    states = {c: round_pieces.synthetic_state(target, drafters[c], c.spec, c.context) for c in todo}
+    ks = (FLAGS.inner, 2 * FLAGS.inner)
+    with concurrent.futures.ThreadPoolExecutor(FLAGS.compile_workers) as pool:
+        futures = {(c, k): pool.submit(loop_program, target, drafters[c], c, states[c], k) for c in todo for k in ks}
         for c in todo:
             bar.step(f"{layout} {c.spec.method} b={c.spec.budget} B={c.spec.batch}")
-            programs = {k: futures[c, k].result() for k in (FLAGS.inner, 2 * FLAGS.inner)}
-            rows, summary = profile_cell(c, target, drafter, programs, states[c], rate)
+            programs = {k: futures[c, k].result() for k in ks}
+            rows, summary = profile_cell(c, target, drafter, programs, states[c], rates["loop"])
             records += rows
             cells.append(summary | meta)
             path = common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None, extra, meta=meta)
             md = path.with_suffix(".md")
-            md.write_text(
-                md.read_text() + "\n## Cells (per iteration)\n\n" + common.markdown_table(cells, CELL_COLUMNS)
-            )
-        del target, drafter, states, futures
+            cell_table = common.markdown_table(cells, CELL_COLUMNS)
+            md.write_text(f"{md.read_text()}\n## Cells (per iteration)\n\n{cell_table}\n")
+
+
+def main(_) -> None:
+    bad = set(FLAGS.layouts) - {"single", "rank"}
+    if bad:
+        raise UserError(f"--layouts: {sorted(bad)} not single or rank")
+    meta = common.metadata()
+    records: list[dict] = []
+    cells: list[dict] = []
+    extra = {"cells": cells, "copy_rates_tbps": {}, "inner": FLAGS.inner, "repeats": FLAGS.repeats}
+    extra |= {"context": FLAGS.context, "tiny": FLAGS.tiny, "ranks": FLAGS.ranks, "tensor": FLAGS.tensor}
+    extra["local_topk"] = FLAGS.local_topk
+    bar = Progress(len(FLAGS.layouts) * (1 + len(FLAGS.budgets)) * len(FLAGS.concurrency), FLAGS.name)
+    for layout in FLAGS.layouts:
+        run_layout(layout, meta, records, cells, extra, bar)
     bar.done()
     print(common.markdown_table([r for r in records if r["layer_kind"] != "round"], COLUMNS))
     print(common.markdown_table(cells, CELL_COLUMNS))
