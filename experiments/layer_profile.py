@@ -131,9 +131,10 @@ def expected_distinct(experts: int, picks: int) -> float:
     return experts * (1.0 - (1.0 - 1.0 / experts) ** picks)
 
 
-def piece_bytes(target: KimiForCausalLM, drafter: DFlashDrafter | None, cell: Cell) -> dict[str, float]:
+def piece_bytes(target: KimiForCausalLM, drafter: DFlashDrafter | None, cell: Cell, cache_dtype) -> dict[str, float]:
     """{label: bytes one iteration must read} (cache_write: bytes written) for the pieces of every layer kind (sum
-    over that kind's layers) and the LM head / drafter outside them."""
+    over that kind's layers) and the LM head / drafter outside them; caches of `cache_dtype`. The models may be
+    abstract (`nnx.eval_shape`)."""
     cfg, b, t = target.config, cell.spec.batch, cell.tokens
     out: dict[str, float] = {}
 
@@ -155,13 +156,14 @@ def piece_bytes(target: KimiForCausalLM, drafter: DFlashDrafter | None, cell: Ce
             add(f"{kind}/experts", spec.nbytes * distinct / cfg.n_routed_experts)
         else:
             add(f"{kind}/{WEIGHT_PIECE.get(str(path[-1]), 'ffn')}", spec.nbytes)
-    latent_row = cfg.latent_dim * jnp.dtype(target.dtype).itemsize
+    item = jnp.dtype(cache_dtype).itemsize
+    latent_row = cfg.latent_dim * item
     for i in range(cfg.num_hidden_layers):
         add(f"{layer_kind(cfg, i)}/attention", b * (cell.context + t) * latent_row)
         add(f"{layer_kind(cfg, i)}/cache_write", b * t * latent_row)
     if drafter is not None:
         d = drafter.config
-        dcache = 2 * d.num_hidden_layers * b * cell.context * d.num_key_value_heads * d.head_dim * 2
+        dcache = 2 * d.num_hidden_layers * b * cell.context * d.num_key_value_heads * d.head_dim * item
         add("round/draft", sum(s.nbytes for s in param_table(drafter).values()) + dcache)
     return out
 
@@ -265,7 +267,8 @@ def profile_cell(cell: Cell, target, drafter, programs, state, rate: float) -> t
     labels = {op: piece_label(parts, target.config) for op, parts in device_profile.op_paths(text).items()}
     totals = device_profile.per_scope(ops, labels)
     totals["round/unattributed"] = totals.pop("other", (0.0, 0))
-    rows = pieces(cell, totals, piece_bytes(target, drafter if cell.spec.method != "ar" else None, cell), rate, n)
+    nbytes = piece_bytes(target, drafter if cell.spec.method != "ar" else None, cell, state.cache[0].dtype)
+    rows = pieces(cell, totals, nbytes, rate, n)
     per_kind = {r["layer_kind"]: r for r in rows if r["piece"] == "total"}
     parts = [r for r in rows if r["piece"] != "total"]
     kernels = device_profile.costliest(ops, labels, n=len(ops))
