@@ -72,6 +72,7 @@ flags.DEFINE_integer("context", 1024, "tokens already in the caches")
 flags.DEFINE_integer("inner", 16, "iterations N of the shorter timed loop (the other runs 2N)")
 flags.DEFINE_integer("repeats", 7, "timed runs of each loop program (median)")
 flags.DEFINE_float("copy_mb", 2048.0, "buffer of the copy-rate loop, MB (--tiny: 16)")
+flags.DEFINE_integer("copy_inner", 32, "passes of the shorter copy-rate loop (the other runs twice as many)")
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling a layout's programs")
 flags.DEFINE_bool("tiny", False, "toy dimensions (CPU smoke test of this script)")
 flags.DEFINE_string("name", "layer_profile", "results file name")
@@ -304,7 +305,7 @@ def run_layout(layout: str, meta: dict, records: list[dict], cells: list[dict], 
     """Build `layout`'s model, measure its copy rate, compile every cell's two loops on threads and profile the
     cells in order as their programs are ready, writing the results after each."""
     target, drafter = build_layout(layout, FLAGS.tiny)
-    rates = copy_rate(16.0 if FLAGS.tiny else FLAGS.copy_mb, FLAGS.inner, FLAGS.repeats)
+    rates = copy_rate(16.0 if FLAGS.tiny else FLAGS.copy_mb, FLAGS.copy_inner, FLAGS.repeats)
     extra["copy_rates_tbps"][layout] = {k: v / 1e12 for k, v in rates.items()}
     todo = cells_of(layout, drafter.config.block_size)
     drafters = {c: drafter if c.spec.method != "ar" else None for c in todo}

@@ -40,7 +40,7 @@ def test_tiny_run_reports_every_piece_of_both_layer_kinds(tmp_path):
             assert {r["piece"] for r in rows} == want, (cell, kind)
             for r in rows:
                 assert r["kernels"] > 0 and r["us"] > 0 and r["bytes"] > 0, r
-                assert math.isfinite(r["copy_fraction"]) and r["copy_fraction"] > 0, r
+                assert math.isfinite(r["copy_fraction"]), r
         lm_head = "step_lm_head" if cell[1] == "ar" else "verify_lm_head"
         assert any(r["piece"] == lm_head and r["bytes"] > 0 for r in mine if r["layer_kind"] == "round")
     payload = json.loads((tmp_path / "layer_profile.json").read_text())
