@@ -3,12 +3,14 @@ piece, against the bytes each piece must read (issue 32, step 1).
 
     python -m experiments.layer_profile                      # on one GPU: both layouts, AR + DDTree b8, b16, B 1 and 8
     python -m experiments.layer_profile --layouts=rank       # one rank of the 8-GPU layout only
-    python -m experiments.layer_profile --tiny               # CPU smoke test at toy dimensions
+    python -m experiments.layer_profile --tiny --budgets=8 --concurrency=2 --inner=2 --repeats=1   # CPU smoke test
 
 Model: the target of experiments/configs/kimi-k2.6 with two layers (layer 0 dense, layer 1 MoE), its embedding and
 LM head, and the K2.5 DFlash drafter, random weights drawn on device (INT4 routed experts; `rank_model`). Layouts:
 `single` (the whole layer on one GPU: 384 experts, top-8) and `rank` (bench_rank's share of one of --ranks GPUs at
-tensor parallelism --tensor: heads, dense and shared FFN, vocab / tensor, experts / ranks with top---local_topk).
+tensor parallelism --tensor: heads, dense and shared FFN, vocab / tensor; E / ranks experts, each token routed to
+--local_topk of them, as the busiest rank at T=1; its router is [H, E / ranks], 1/8 of the replicated one, and at
+T > 1 it touches more experts than the busiest rank would: decode_budget.md's table).
 
 Timing: the engine's own round (`engine.ar_round`, or `engine.spec_round` = draft -> tree -> verify -> accept) as
 the body of a jitted `lax.fori_loop` that carries the whole loop state (caches, drafter cache, pending features,
@@ -17,13 +19,15 @@ sampling is dead code. The state starts mid-generation (`round_pieces.synthetic_
 cache). Seconds per iteration = (median of programs of 2N iterations - median of N) / N (`mla_common.per_call_time`,
 N = --inner), which leaves out what a program pays once (dispatch, the copy of the un-donated state into the loop).
 
-Attribution: one run of the N-iteration program under `jax.profiler`; each device event is joined with its
-instruction's op_name path in the compiled HLO (`device_profile`). ddtree_jax/models/kimi.py scopes every layer
-(`layer_i`) and its pieces: prologue (q_a, q norm, q_b, RoPE, absorbed W_UK, kv_a, kv norm, k RoPE), cache_write,
-attention (the kernel over the latent cache), o_proj (W_UV and o_proj), router, experts (routed), shared_expert,
-ffn (the dense layer's MLP); what a layer runs outside them is norms_residual (the two RMSNorms, the residual adds).
-Outside the layers: the engine's scopes (step / draft / tree / verify / accept, `_lm_head` where the target's LM head
-runs), `loop` (loop ops in no scope), `unattributed` (instructions without metadata). Per iteration, per layer.
+Every program of a layout is compiled first (on threads), and only then are the cells timed: XLA's autotuning runs
+kernels on the device. Attribution: one run of the N-iteration program under `jax.profiler`; each device event is
+joined with its instruction's op_name path in the compiled HLO (`device_profile`). ddtree_jax/models/kimi.py scopes
+every layer (`layer_i`) and its pieces: prologue (q_a, q norm, q_b, RoPE, absorbed W_UK, kv_a, kv norm, k RoPE),
+cache_write, attention (the kernel over the latent cache), o_proj (W_UV and o_proj), router, experts (routed),
+shared_expert, ffn (the dense layer's MLP); what a layer runs outside them is norms_residual (the two RMSNorms, the
+residual adds). Outside the layers: the engine's scopes (step / draft / tree / verify / accept, `_lm_head` where the
+target's LM head runs), `loop` (loop ops in no scope), `unattributed` (instructions without metadata). Per
+iteration, per layer.
 
 Bytes a piece must read, from the weight declarations (`params.param_table`) at the layout's share: its weights;
 the routed experts as E x (1 - (1 - 1/E)^(k x tokens)) experts expected under uniform routing (random weights route
@@ -302,8 +306,9 @@ def cells_of(layout: str, block_size: int) -> list[Cell]:
 
 
 def run_layout(layout: str, meta: dict, records: list[dict], cells: list[dict], extra: dict, bar: Progress) -> None:
-    """Build `layout`'s model, measure its copy rate, compile every cell's two loops on threads and profile the
-    cells in order as their programs are ready, writing the results after each."""
+    """Build `layout`'s model, measure its copy rate, compile every cell's two loops on threads, then time and
+    profile the cells in order, writing the results after each. Nothing is timed while anything compiles: XLA's
+    autotuning runs kernels on the device."""
     target, drafter = build_layout(layout, FLAGS.tiny)
     rates = copy_rate(16.0 if FLAGS.tiny else FLAGS.copy_mb, FLAGS.copy_inner, FLAGS.repeats)
     extra["copy_rates_tbps"][layout] = {k: v / 1e12 for k, v in rates.items()}
@@ -311,18 +316,19 @@ def run_layout(layout: str, meta: dict, records: list[dict], cells: list[dict], 
     drafters = {c: drafter if c.spec.method != "ar" else None for c in todo}
     states = {c: round_pieces.synthetic_state(target, drafters[c], c.spec, c.context) for c in todo}
     ks = (FLAGS.inner, 2 * FLAGS.inner)
+    bar.step(f"{layout}: compiling {len(todo) * len(ks)} programs")
     with concurrent.futures.ThreadPoolExecutor(FLAGS.compile_workers) as pool:
         futures = {(c, k): pool.submit(loop_program, target, drafters[c], c, states[c], k) for c in todo for k in ks}
-        for c in todo:
-            bar.step(f"{layout} {c.spec.method} b={c.spec.budget} B={c.spec.batch}")
-            programs = {k: futures[c, k].result() for k in ks}
-            rows, summary = profile_cell(c, target, drafter, programs, states[c], rates["loop"])
-            records += rows
-            cells.append(summary | meta)
-            path = common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None, extra, meta=meta)
-            md = path.with_suffix(".md")
-            cell_table = common.markdown_table(cells, CELL_COLUMNS)
-            md.write_text(f"{md.read_text()}\n## Cells (per iteration)\n\n{cell_table}\n")
+    for c in todo:
+        bar.step(f"{layout} {c.spec.method} b={c.spec.budget} B={c.spec.batch}")
+        programs = {k: futures[c, k].result() for k in ks}
+        rows, summary = profile_cell(c, target, drafter, programs, states[c], rates["loop"])
+        records += rows
+        cells.append(summary | meta)
+        path = common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None, extra, meta=meta)
+        md = path.with_suffix(".md")
+        cell_table = common.markdown_table(cells, CELL_COLUMNS)
+        md.write_text(f"{md.read_text()}\n## Cells (per iteration)\n\n{cell_table}\n")
 
 
 def main(_) -> None:
@@ -335,7 +341,8 @@ def main(_) -> None:
     extra = {"cells": cells, "copy_rates_tbps": {}, "inner": FLAGS.inner, "repeats": FLAGS.repeats}
     extra |= {"context": FLAGS.context, "tiny": FLAGS.tiny, "ranks": FLAGS.ranks, "tensor": FLAGS.tensor}
     extra["local_topk"] = FLAGS.local_topk
-    bar = Progress(len(FLAGS.layouts) * (1 + len(FLAGS.budgets)) * len(FLAGS.concurrency), FLAGS.name)
+    steps = 1 + (1 + len(FLAGS.budgets)) * len(FLAGS.concurrency)  # compiling, then the cells
+    bar = Progress(len(FLAGS.layouts) * steps, FLAGS.name)
     for layout in FLAGS.layouts:
         run_layout(layout, meta, records, cells, extra, bar)
     bar.done()
