@@ -42,9 +42,8 @@ from tqdm import tqdm  # noqa: E402
 from ddtree_jax import engine, sizing  # noqa: E402
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, load_dflash_config, load_kimi_config  # noqa: E402
 from ddtree_jax.errors import UserError, run_app
-from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache  # noqa: E402
+from ddtree_jax.models.dflash import DFlashDrafter  # noqa: E402
 from ddtree_jax.models.kimi import KimiForCausalLM  # noqa: E402
-from ddtree_jax.sampling import request_keys  # noqa: E402
 from experiments import common, round_pieces  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -220,47 +219,6 @@ def random_model(build, seed: int):
     return nnx.merge(graphdef, state)
 
 
-def synthetic_state(target, drafter, spec: engine.GenSpec, context: int) -> engine.LoopState:
-    """A mid-generation loop state with `context` tokens in every cache (random contents) and a few pending
-    drafter features, built on device."""
-    c = target.config
-    d = drafter.config.num_draft if drafter is not None else 0
-    b, cap = spec.batch, engine.cache_capacity(spec, d)
-    pend = min(4, d + 1) if drafter is not None else 0
-    keys = iter(jax.random.split(jax.random.key(1), c.num_hidden_layers + 4))
-
-    @functools.partial(jax.jit, static_argnums=(1,))
-    def normal(k, shape):
-        return jax.random.normal(k, shape, jnp.bfloat16)
-
-    zeros = jnp.zeros((b,), jnp.int32)
-    s = engine.LoopState(
-        out=jnp.zeros((b, spec.max_new_tokens + d + 1), jnp.int32),
-        n_out=zeros + 1,
-        start=zeros + context,
-        root=jax.random.randint(next(keys), (b,), 3, c.vocab_size - 2, jnp.int32),
-        done=jnp.zeros((b,), bool),
-        cache=[normal(next(keys), (b, cap, c.latent_dim)) for _ in range(c.num_hidden_layers)],
-        dcache=None,
-        ctx_len=zeros + context - pend,
-        pend_feats=None,
-        pend_count=zeros + pend,
-        keys=request_keys(2, range(b)),
-        rounds=zeros,
-        accept_hist=jnp.zeros((b, d + 2), jnp.int32),
-        bad_round=zeros - 1,
-    )
-    if drafter is None:
-        return s
-    dc = drafter.config
-    shape = (dc.num_hidden_layers, b, cap, dc.num_key_value_heads, dc.head_dim)
-    width = len(dc.target_layer_ids) * c.hidden_size
-    return s._replace(
-        dcache=DrafterCache(normal(next(keys), shape), normal(next(keys), shape)),
-        pend_feats=normal(next(keys), (b, d + 1, width)),
-    )
-
-
 def time_layer(target, batch: int, tokens: int, context: int) -> float:
     """Median seconds of the last decoder layer (an MoE layer) alone on `batch x tokens` new tokens over a
     `context`-token cache (causal mask inside the block, cache donated and threaded)."""
@@ -285,7 +243,7 @@ def time_ar(target, base: dict) -> tuple[float, dict]:
     b, ctx = base["concurrency"], base["context"]
     spec = engine.GenSpec("ar", b, ctx, 64)
     times, _ = round_pieces.time_round(
-        target, None, spec, synthetic_state(target, None, spec, ctx), repeats=FLAGS.repeats
+        target, None, spec, round_pieces.synthetic_state(target, None, spec, ctx), repeats=FLAGS.repeats
     )
     lay = time_layer(target, b, 1, ctx)
     t61 = times["ar_step"] + (FULL_LAYERS - target.config.num_hidden_layers) * lay
@@ -399,7 +357,7 @@ def main(_) -> None:
                 ar61[b, ctx], ar = time_ar(target, base)
                 records.append(ar)
             spec = engine.GenSpec("ddtree", b, ctx, 64, budget=budget)
-            s = synthetic_state(target, drafter, spec, ctx)
+            s = round_pieces.synthetic_state(target, drafter, spec, ctx)
             times, out = round_pieces.time_round(
                 target, drafter, spec, s, repeats=FLAGS.repeats, pieces=FLAGS.pieces and n == 0
             )

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 
-import jax
 from absl import flags
 from tqdm import tqdm
 
@@ -56,18 +54,7 @@ def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, in
     `device_profile.costliest`) of one run of `spec`'s program under the profiler."""
     (program, _, _), _ = gen.compiled(spec)
     text = program.as_text()
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-        gen.generate(prompts, **kw)
-        jax.profiler.stop_trace()
-        events = device_profile.load_trace(tmp)
-    ops = device_profile.op_events(events, device_profile.module_name(text))
-    if not ops:
-        sample = next((e.get("args", {}) for e in events if e["process"].startswith("/device:")), {})
-        raise RuntimeError(
-            f"the profile holds no ops of the program; costliest device events "
-            f"{device_profile.top_device_events(events, 5)}, a device event's args {sample}"
-        )
+    ops = device_profile.profiled_ops(lambda: gen.generate(prompts, **kw), text)
     scope_map = device_profile.scope_of_ops(text, SCOPES)
     return (
         device_profile.per_scope(ops, scope_map),

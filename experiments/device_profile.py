@@ -11,7 +11,11 @@ import collections
 import gzip
 import json
 import re
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+import jax
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name=\"([^\"]*)\"")
 
@@ -24,16 +28,21 @@ def module_name(hlo_text: str) -> str:
     return m.group(1)
 
 
-def scope_of_ops(hlo_text: str, scopes: tuple[str, ...]) -> dict[str, str]:
-    """{instruction name: first of `scopes` found in its op_name path, else 'other'} for every instruction of the
-    compiled module's text (`compiled.as_text()`)."""
+def op_paths(hlo_text: str) -> dict[str, list[str]]:
+    """{instruction name: its op_name path split at '/'} for every instruction of the compiled module's text
+    (`compiled.as_text()`) that carries an op_name, e.g. ['jit(run)', 'while', 'body', 'verify', 'dot_general']."""
     out = {}
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
         if m:
-            parts = m.group(2).split("/")
-            out[m.group(1)] = next((p for p in parts if p in scopes), "other")
+            out[m.group(1)] = m.group(2).split("/")
     return out
+
+
+def scope_of_ops(hlo_text: str, scopes: tuple[str, ...]) -> dict[str, str]:
+    """{instruction name: first of `scopes` found in its op_name path, else 'other'} for every instruction of the
+    compiled module's text (`compiled.as_text()`)."""
+    return {op: next((p for p in parts if p in scopes), "other") for op, parts in op_paths(hlo_text).items()}
 
 
 def load_trace(trace_dir: str | Path) -> list[dict]:
@@ -46,6 +55,24 @@ def load_trace(trace_dir: str | Path) -> list[dict]:
     events = data["traceEvents"] if isinstance(data, dict) else data
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     return [{**e, "process": procs.get(e.get("pid"), "")} for e in events if e.get("ph") == "X"]
+
+
+def profiled_ops(run: Callable[[], object], hlo_text: str) -> list[tuple[str, str, float]]:
+    """`op_events` of the module `hlo_text` (its compiled text) from one call of `run()` (which runs it and blocks
+    on the result) under `jax.profiler`; a RuntimeError naming the costliest device events if none ran."""
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        run()
+        jax.profiler.stop_trace()
+        events = load_trace(tmp)
+    ops = op_events(events, module_name(hlo_text))
+    if not ops:
+        sample = next((e.get("args", {}) for e in events if e["process"].startswith("/device:")), {})
+        raise RuntimeError(
+            f"the profile holds no ops of the program; costliest device events "
+            f"{top_device_events(events, 5)}, a device event's args {sample}"
+        )
+    return ops
 
 
 def op_events(events: list[dict], module: str) -> list[tuple[str, str, float]]:

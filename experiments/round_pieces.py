@@ -2,7 +2,8 @@
 
 Pieces of a DDTree / DFlash round: draft (flush pending features into the drafter cache + draft one block),
 tree (build the trees and their ancestor masks), verify (target forward over the tree + one draw per node),
-accept (walk, commit, compact the latent cache). Plus the whole round and one AR step, each as one jit.
+accept (walk, commit, compact the latent cache). Plus the whole round and one AR step, each as one jit, and
+`synthetic_state`: a mid-generation loop state with random cache contents (bench_round, layer_profile).
 
 Every piece donates the cache it updates and the timer threads the updated cache into the next call, so cache
 writes happen in place as inside the generate loop. All other inputs stay those of the given state: repeated
@@ -17,9 +18,11 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax import engine
+from ddtree_jax.models.dflash import DrafterCache
 from ddtree_jax.sampling import request_keys
 
 PIECES = ("draft", "tree", "verify", "accept")
@@ -106,3 +109,44 @@ def time_round(
         out = out._replace(dcache=dcache)
     times["round"], out = timed(lambda st: whole(ts, ds, rest, st.cache, st.dcache), out)
     return times, out
+
+
+def synthetic_state(target, drafter, spec: engine.GenSpec, context: int) -> engine.LoopState:
+    """A mid-generation loop state with `context` tokens in every cache (random contents) and a few pending
+    drafter features, built on device."""
+    c = target.config
+    d = drafter.config.num_draft if drafter is not None else 0
+    b, cap = spec.batch, engine.cache_capacity(spec, d)
+    pend = min(4, d + 1) if drafter is not None else 0
+    keys = iter(jax.random.split(jax.random.key(1), c.num_hidden_layers + 4))
+
+    @functools.partial(jax.jit, static_argnums=(1,))
+    def normal(k, shape):
+        return jax.random.normal(k, shape, jnp.bfloat16)
+
+    zeros = jnp.zeros((b,), jnp.int32)
+    s = engine.LoopState(
+        out=jnp.zeros((b, spec.max_new_tokens + d + 1), jnp.int32),
+        n_out=zeros + 1,
+        start=zeros + context,
+        root=jax.random.randint(next(keys), (b,), 3, c.vocab_size - 2, jnp.int32),
+        done=jnp.zeros((b,), bool),
+        cache=[normal(next(keys), (b, cap, c.latent_dim)) for _ in range(c.num_hidden_layers)],
+        dcache=None,
+        ctx_len=zeros + context - pend,
+        pend_feats=None,
+        pend_count=zeros + pend,
+        keys=request_keys(2, range(b)),
+        rounds=zeros,
+        accept_hist=jnp.zeros((b, d + 2), jnp.int32),
+        bad_round=zeros - 1,
+    )
+    if drafter is None:
+        return s
+    dc = drafter.config
+    shape = (dc.num_hidden_layers, b, cap, dc.num_key_value_heads, dc.head_dim)
+    width = len(dc.target_layer_ids) * c.hidden_size
+    return s._replace(
+        dcache=DrafterCache(normal(next(keys), shape), normal(next(keys), shape)),
+        pend_feats=normal(next(keys), (b, d + 1, width)),
+    )

@@ -14,6 +14,9 @@
 #   counts 2-26 beside the one `wave_splits` picks (which leaves the merge's bytes out of its model) and beside
 #   XLA reading the same bytes (bench_mla_decode_splits), and verify 8192 x 17 nodes x B8 x 64 heads at the
 #   chosen 5 splits beside 6 and 10, timed before (bench_mla_split_model_verify); about 5 min
+#   and (STAGES=layer_profile) one dense + one MoE Kimi K2.6 layer at full size, single GPU and one rank of 8: an AR
+#   step and DDTree b8/b16 rounds at B 1 and 8 timed in loops that carry the whole state, device time, kernels and
+#   bytes per piece of each layer against a copy rate timed in the same run (layer_profile; issue 32)
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -33,6 +36,7 @@ BENCH_LAYERS=${BENCH_LAYERS:-4}  # the projection scales one measured MoE layer 
 TREE_S=${TREE_S:-200}
 MLA_S=${MLA_S:-560}
 PROFILE_S=${PROFILE_S:-120}
+LAYER_PROFILE_S=${LAYER_PROFILE_S:-540}
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 REPEATS=${REPEATS:-3}
 MAX_NEW=${MAX_NEW:-128}
@@ -76,6 +80,8 @@ want mla_splits && stage mla_splits 240 "$PY" -m experiments.bench_mla --out_dir
 want mla_splits && stage mla_splits_verify 150 "$PY" -m experiments.bench_mla --out_dir="$RES" --preset=custom \
   --contexts=8192 --nodes=17 --batches=8 --heads=64 --kernels=mosaic --mosaic_splits=6,10 \
   --check=false --name=bench_mla_split_model_verify
+want layer_profile && stage layer_profile "$LAYER_PROFILE_S" "$PY" -m experiments.layer_profile --out_dir="$RES" \
+  --layouts=single,rank --budgets=8,16 --concurrency=1,8 --context=1024
 if want mla_profile; then
   mkdir -p "$RES/profiles"
   # No preallocation: ncu saves and restores the GPU memory XLA holds around every kernel replay. The CLI prints

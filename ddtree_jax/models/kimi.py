@@ -113,20 +113,27 @@ class MLA(nnx.Module):
         empty prefix (cache_len == 0), which the caller guarantees. `kernels` selects the attention kernel.
         """
         c = self.cfg
-        q_nope, q_pe = self.queries(x, positions)
-        lat = self.latents(x, positions)
-        cache = write_block(cache, lat, cache_len)
+        with jax.named_scope("prologue"):  # named scopes: experiments/layer_profile.py attributes kernels by them
+            q_nope, q_pe = self.queries(x, positions)
+            lat = self.latents(x, positions)
+        with jax.named_scope("cache_write"):
+            cache = write_block(cache, lat, cache_len)
         if naive:
-            o = self._naive_attention(q_nope, q_pe, lat, block_mask)
+            with jax.named_scope("attention"):
+                o = self._naive_attention(q_nope, q_pe, lat, block_mask)
         else:
-            ql = jnp.einsum("bnhp,hpc->bnhc", q_nope, self.w_uk[...])
-            q_abs = jnp.concatenate([ql, q_pe], axis=-1)
-            o_lat = sharding.mla_attention(
-                kernels, q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank
-            )
-            o = jnp.einsum("bnhc,hvc->bnhv", o_lat, self.w_uv[...], preferred_element_type=jnp.float32)
-        o = o.astype(x.dtype).reshape(*x.shape[:2], -1)
-        return jnp.dot(o, self.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype), cache
+            with jax.named_scope("prologue"):
+                ql = jnp.einsum("bnhp,hpc->bnhc", q_nope, self.w_uk[...])
+                q_abs = jnp.concatenate([ql, q_pe], axis=-1)
+            with jax.named_scope("attention"):
+                o_lat = sharding.mla_attention(
+                    kernels, q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank
+                )
+            with jax.named_scope("o_proj"):
+                o = jnp.einsum("bnhc,hvc->bnhv", o_lat, self.w_uv[...], preferred_element_type=jnp.float32)
+        with jax.named_scope("o_proj"):
+            o = o.astype(x.dtype).reshape(*x.shape[:2], -1)
+            return jnp.dot(o, self.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype), cache
 
     def _naive_attention(self, q_nope, q_pe, lat, block_mask) -> jax.Array:
         """Per-head MLA over the block itself (kimi_k2.md §3.2) -> `[B, N, Hq, V]` f32."""
@@ -158,7 +165,8 @@ class DenseMLP(nnx.Module):
         init_params(self, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        with jax.named_scope("ffn"):
+            return swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
 
 
 class Int4Experts(nnx.Module):
@@ -277,16 +285,19 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
-        ids, w = self.route(xt)
+        with jax.named_scope("router"):
+            ids, w = self.route(xt)
         if self.record_load:
             self.sow(
                 nnx.Intermediate,
                 "expert_load",
                 jnp.sum(jax.nn.one_hot(ids, self.cfg.n_routed_experts), (0, 1)),
             )
-        y = self.experts(xt, ids, w, kernels)
+        with jax.named_scope("experts"):
+            y = self.experts(xt, ids, w, kernels)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(xt)
+            with jax.named_scope("shared_expert"):
+                y = y + self.shared_experts(xt)
         return y.reshape(shape)
 
 
@@ -374,7 +385,8 @@ class KimiForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden `[..., H]` -> f32 logits `[..., V]`."""
-        return jnp.dot(hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+        with jax.named_scope("lm_head"):
+            return jnp.dot(hidden, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(
         self,
@@ -398,7 +410,8 @@ class KimiForCausalLM(nnx.Module):
         h = self.embed(tokens)
         by_layer, new_cache = {}, []
         for i, layer in enumerate(self.layers):
-            h, c = layer(h, positions, cache[i], cache_len, block_mask, kernels, naive=naive)
+            with jax.named_scope(f"layer_{i}"):
+                h, c = layer(h, positions, cache[i], cache_len, block_mask, kernels, naive=naive)
             new_cache.append(c)
             if i in feature_layers:
                 by_layer[i] = h
