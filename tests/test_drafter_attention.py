@@ -134,7 +134,7 @@ def drafter_and_inputs(rng: np.random.Generator, dtype):
     feats = jnp.asarray(rng.standard_normal((b, ctx, 2 * cfg.hidden_size)), dtype)
     cache_len = jnp.asarray([0, 5, ctx], jnp.int32)
     cache = drafter.append_context(
-        drafter.init_cache(b, ctx), feats, jnp.arange(ctx)[None].repeat(b, 0), jnp.zeros((b,), jnp.int32)
+        drafter.init_cache(b, 16), feats, jnp.arange(ctx)[None].repeat(b, 0), jnp.zeros((b,), jnp.int32)
     )
     embeds = jnp.asarray(rng.standard_normal((b, cfg.block_size, cfg.hidden_size)), dtype)
     positions = cache_len[:, None] + jnp.arange(cfg.block_size)[None, :]
@@ -143,9 +143,10 @@ def drafter_and_inputs(rng: np.random.Generator, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_drafter_output_is_that_of_the_concatenated_attention(dtype, monkeypatch):
-    """The drafter through `dispatch.drafter_attention` against the same drafter with the oracle in its place."""
+    """The drafter through `dispatch.drafter_attention` (the reference, and the kernel in interpret mode) against
+    the same drafter with the oracle in its place."""
     drafter, args = drafter_and_inputs(np.random.default_rng(), dtype)
-    got = drafter(*args, kernels=Kernels().with_mode("reference"))
+    got = {mode: drafter(*args, kernels=Kernels().with_mode(mode)) for mode in ("reference", "interpret")}
     monkeypatch.setattr(
         dispatch,
         "drafter_attention",
@@ -153,6 +154,7 @@ def test_drafter_output_is_that_of_the_concatenated_attention(dtype, monkeypatch
             q, ck[layer], cv[layer], ctx_len, bk, bv, scale
         ),
     )
-    want = drafter(*args)
-    assert np.isfinite(np.asarray(got, np.float32)).all()
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=5 * TOL[dtype], rtol=0)
+    want = np.asarray(drafter(*args), np.float32)
+    for out in got.values():
+        assert np.isfinite(np.asarray(out, np.float32)).all()
+        np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=5 * TOL[dtype], rtol=0)
