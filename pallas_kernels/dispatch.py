@@ -158,15 +158,49 @@ def build_tree(kernels: Kernels, lp_k, ids_k, root, budget: int, reference):
 def drafter_attention(kernels: Kernels, q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int):
     """The drafter's attention at layer `layer`: q `[B, S, nh, hd]`, ctx_k / ctx_v the whole stacked context cache
     `[layers, B, L, kvh, hd]`, ctx_len `[B]`, block_k / block_v `[B, S, kvh, hd]` -> `[B, S, nh, hd]`; see
-    `reference.drafter_attention_reference` for the semantics (the Pallas kernel reads no cache slot past ctx_len)."""
-    from pallas_kernels import drafter_attention as kernel
+    `reference.drafter_attention_reference` for the semantics (the Pallas kernel reads no cache slot past ctx_len;
+    its gradient is the reference's, so the drafter trains through either)."""
+    from pallas_kernels.drafter_attention import unsupported
 
-    impl = _choose("drafter_attention", kernels.drafter_attention, True, kernel.unsupported(q, ctx_k))
+    impl = _choose("drafter_attention", kernels.drafter_attention, True, unsupported(q, ctx_k))
     if impl != "reference":
-        return kernel.drafter_attention_pallas(
-            q, ctx_k, ctx_v, ctx_len, block_k, block_v, float(scale), layer, interpret=impl == "interpret"
-        )
+        return _drafter_attention_kernel(q, ctx_k, ctx_v, ctx_len, block_k, block_v, float(scale), layer, impl)
+    return _drafter_attention_reference(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer)
+
+
+def _drafter_attention_reference(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int):
     return reference.drafter_attention_reference(q, ctx_k[layer], ctx_v[layer], ctx_len, block_k, block_v, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _drafter_attention_kernel(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int, impl: str):
+    """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the reference."""
+    from pallas_kernels.drafter_attention import drafter_attention_pallas
+
+    interpret = impl == "interpret"
+    return drafter_attention_pallas(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer, interpret=interpret)
+
+
+def _drafter_attention_fwd(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int, impl: str):
+    out = _drafter_attention_kernel(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer, impl)
+    return out, (q, ctx_k, ctx_v, ctx_len, block_k, block_v)
+
+
+def _drafter_attention_bwd(scale: float, layer: int, impl: str, residuals, grad):
+    q, ctx_k, ctx_v, ctx_len, block_k, block_v = residuals
+    _, vjp = jax.vjp(
+        lambda q, ck, cv, bk, bv: _drafter_attention_reference(q, ck, cv, ctx_len, bk, bv, scale, layer),
+        q,
+        ctx_k,
+        ctx_v,
+        block_k,
+        block_v,
+    )
+    dq, dck, dcv, dbk, dbv = vjp(grad)
+    return dq, dck, dcv, None, dbk, dbv  # ctx_len: integer, no cotangent
+
+
+_drafter_attention_kernel.defvjp(_drafter_attention_fwd, _drafter_attention_bwd)
 
 
 def _moe_kernel():

@@ -4,6 +4,8 @@ through the dispatch point."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from pallas_kernels.drafter_attention import unsupported as drafter_attention_un
 from pallas_kernels.reference import drafter_attention_reference
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+MODES = ("reference", "interpret")
 
 
 def concatenated(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale):
@@ -93,6 +96,24 @@ def test_dispatch_runs_the_kernel_or_the_reference_by_mode():
     assert "head dim" in drafter_attention_unsupported(q8, ck[None])
     with pytest.raises(ValueError, match="head dim"):
         dispatch.drafter_attention(Kernels().with_mode("interpret"), q8, *args[1:])
+
+
+def test_kernel_gradient_is_the_references():
+    """The drafter trains through the kernel path: its gradient (w.r.t. q, the stacked cache and the block) is the
+    reference's."""
+    rng = np.random.default_rng()
+    q, ck, cv, ctx_len, bk, bv = inputs(rng, 3, 4, 16, 4, 2, 16, jnp.float32)
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def loss(mode, q, ck, cv, bk, bv):
+        out = dispatch.drafter_attention(Kernels().with_mode(mode), q, ck, cv, ctx_len, bk, bv, 0.25, 1)
+        return jnp.sum(out * w)
+
+    stacked = (q, jnp.stack([ck, ck + 1]), jnp.stack([cv, cv - 1]), bk, bv)
+    grads = {mode: jax.grad(functools.partial(loss, mode), argnums=(0, 1, 2, 3, 4))(*stacked) for mode in MODES}
+    for got, want in zip(grads["interpret"], grads["reference"], strict=True):
+        assert float(jnp.abs(want).max()) > 0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
 def test_context_past_its_length_is_never_seen():
