@@ -108,7 +108,7 @@ def attention_part(
     s = jnp.einsum("bskgd,blkd->bskgl", q, k, preferred_element_type=jnp.float32) * scale
     if visible is not None:
         s = jnp.where(visible[:, None, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1))  # a shift the output does not depend on
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])  # masked slots: exp(-inf) = 0
     pv = jnp.einsum("bskgl,blkd->bskgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return pv, m, jnp.sum(p, axis=-1)
