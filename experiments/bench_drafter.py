@@ -7,7 +7,8 @@ Builds the Kimi DFlash drafter (experiments/configs/kimi-k2.5-dflash; --tiny: to
 weights. Per (attention implementation of `--modes`, a `Kernels.drafter_attention` mode; concurrency B;
 allocation L): a drafter cache `[layers, B, L, kv_heads, head_dim]` of random values whose first `--context` slots
 are valid, and one drafter forward on a block of random embeddings, timed back to back (median of
-`--repeats`). Results: <out_dir>/bench_drafter.json and .md.
+`--repeats`); `max_diff`: its output's largest difference from the first mode's at the same cell (the kernel
+checked against the reference on the device). Results: <out_dir>/bench_drafter.json and .md.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ flags.DEFINE_integer("repeats", 5, "timings (median)")
 flags.DEFINE_bool("tiny", False, "toy dimensions (CPU smoke test of this script)")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
-COLUMNS = ["mode", "concurrency", "allocation", "context", "ms"]
+COLUMNS = ["mode", "concurrency", "allocation", "context", "ms", "max_diff"]
 
 
 def drafter_config():
@@ -48,8 +49,9 @@ def drafter_config():
     return dataclasses.replace(cfg, **small, num_key_value_heads=2, head_dim=16, vocab_size=256, mask_token_id=255)
 
 
-def time_forward(drafter: DFlashDrafter, mode: str, batch: int, allocation: int) -> float:
-    """Median milliseconds of one drafter forward of B rows over an `allocation`-slot cache, `--context` valid."""
+def time_forward(drafter: DFlashDrafter, mode: str, batch: int, allocation: int) -> tuple[float, jax.Array]:
+    """(median milliseconds, output `[B, S, H]`) of one drafter forward of B rows over an `allocation`-slot cache,
+    `--context` slots valid."""
     c = drafter.config
     keys = jax.random.split(jax.random.key(0), 3)
     shape = (c.num_hidden_layers, batch, allocation, c.num_key_value_heads, c.head_dim)
@@ -64,19 +66,20 @@ def time_forward(drafter: DFlashDrafter, mode: str, batch: int, allocation: int)
         common.time_back_to_back(lambda: forward(state, embeds, positions, cache, cache_len), 2, FLAGS.steps)
         for _ in range(FLAGS.repeats)
     ]
-    return 1e3 * statistics.median(runs)
+    return 1e3 * statistics.median(runs), forward(state, embeds, positions, cache, cache_len)
 
 
 def main(_) -> None:
     cfg = drafter_config()
     drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    records = []
+    records, first = [], {}
     for mode in FLAGS.modes:
         for batch in map(int, FLAGS.concurrency):
             for allocation in map(int, FLAGS.allocations):
-                ms = time_forward(drafter, mode, batch, allocation)
+                ms, out = time_forward(drafter, mode, batch, allocation)
+                out = first.setdefault((batch, allocation), out).astype(jnp.float32) - out.astype(jnp.float32)
                 records.append({"mode": mode, "concurrency": batch, "allocation": allocation, "ms": ms})
-                records[-1] |= {"context": FLAGS.context}
+                records[-1] |= {"context": FLAGS.context, "max_diff": float(jnp.abs(out).max())}
                 print(common.markdown_table(records[-1:], COLUMNS).splitlines()[-1], flush=True)
     path = common.write_results("bench_drafter", records, COLUMNS, FLAGS.out_dir, extra={"tiny": FLAGS.tiny})
     print(f"wrote {path}")
