@@ -24,6 +24,12 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 MODES = ("reference", "interpret")
 
 
+def assert_close(got, want, dtype, factor: float = 1.0) -> None:
+    """Equal within `dtype`'s tolerance, absolute (times `factor`) and relative: in bf16 one rounding apart."""
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=factor * tol, rtol=tol)
+
+
 def concatenated(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale):
     """The oracle: one softmax over [context cache ++ block] `[B, L+S]`, context slots >= ctx_len masked."""
     b, s, nh, hd = q.shape
@@ -66,7 +72,7 @@ def test_split_attention_equals_the_concatenated_one(dtype, nh, kvh):
     want = concatenated(*args, 0.25)
     assert got.dtype == dtype and got.shape == (5, 8, nh, 16)
     assert np.isfinite(np.asarray(got, np.float32)).all()  # an empty context (ctx_len 0) contributes nothing
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=TOL[dtype], rtol=0)
+    assert_close(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -81,7 +87,7 @@ def test_kernel_equals_the_concatenated_attention(dtype, s, nh, kvh, length):
     got = drafter_attention_pallas(q, stacked_k, stacked_v, ctx_len, bk, bv, 0.25, 1, interpret=True)
     want = concatenated(q, ck, cv, ctx_len, bk, bv, 0.25)
     assert got.dtype == dtype and got.shape == want.shape
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=TOL[dtype], rtol=0)
+    assert_close(got, want, dtype)
 
 
 def test_dispatch_runs_the_kernel_or_the_reference_by_mode():
@@ -91,7 +97,7 @@ def test_dispatch_runs_the_kernel_or_the_reference_by_mode():
     want = np.asarray(concatenated(q, ck, cv, ctx_len, bk, bv, 0.25))
     for mode in ("auto", "reference", "interpret"):  # auto: the reference on this CPU
         got = dispatch.drafter_attention(Kernels().with_mode(mode, op="drafter_attention"), *args)
-        np.testing.assert_allclose(np.asarray(got), want, atol=TOL[jnp.float32], rtol=0)
+        assert_close(got, want, jnp.float32)
     q8 = jnp.zeros((2, 4, 4, 8))
     assert "head dim" in drafter_attention_unsupported(q8, ck[None])
     with pytest.raises(ValueError, match="head dim"):
@@ -178,4 +184,4 @@ def test_drafter_output_is_that_of_the_concatenated_attention(dtype, monkeypatch
     want = np.asarray(drafter(*args), np.float32)
     for out in got.values():
         assert np.isfinite(np.asarray(out, np.float32)).all()
-        np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=5 * TOL[dtype], rtol=0)
+        assert_close(out, want, dtype, 5.0)
