@@ -273,8 +273,11 @@ def ar_round(target: KimiForCausalLM, spec: GenSpec, s: LoopState) -> LoopState:
         return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, _finite_rows(logits), keys=keys)
 
 
-def draft(target: KimiForCausalLM, drafter: DFlashDrafter, s: LoopState) -> tuple[jax.Array, DrafterCache]:
-    """Flush pending context features into the drafter cache, then draft one block -> logits `[B, D, V]`."""
+def draft(
+    target: KimiForCausalLM, drafter: DFlashDrafter, s: LoopState, kernels: dispatch.Kernels | None = None
+) -> tuple[jax.Array, DrafterCache]:
+    """Flush pending context features into the drafter cache, then draft one block -> logits `[B, D, V]`. kernels:
+    the drafter's kernel selection (None: `Kernels.from_env()`; `spec_round` passes its `GenSpec.kernels`)."""
     c = drafter.config
     b = s.root.shape[0]
     pend_pos = s.ctx_len[:, None] + jnp.arange(s.pend_feats.shape[1])[None, :]
@@ -282,7 +285,7 @@ def draft(target: KimiForCausalLM, drafter: DFlashDrafter, s: LoopState) -> tupl
     ctx_len = s.ctx_len + s.pend_count
     block = jnp.full((b, c.block_size), c.mask_token_id, jnp.int32).at[:, 0].set(s.root)
     positions = s.start[:, None] + jnp.arange(c.block_size)[None, :]
-    hidden = drafter(target.embed(block), positions, dcache, ctx_len)
+    hidden = drafter(target.embed(block), positions, dcache, ctx_len, kernels)
     return target.logits(hidden[:, 1:]) * c.output_multiplier, dcache
 
 
@@ -372,7 +375,7 @@ def spec_round(target: KimiForCausalLM, drafter: DFlashDrafter, spec: GenSpec, s
     device profile can attribute every kernel: experiments/breakdown.py)."""
     keys, sub = split_rows(s.keys)
     with jax.named_scope("draft"):
-        draft_logits, dcache = draft(target, drafter, s)
+        draft_logits, dcache = draft(target, drafter, s, spec.kernels)
     with jax.named_scope("tree"):
         tree, mask = build_trees(spec, drafter, draft_logits, s.root)
     with jax.named_scope("verify"):

@@ -9,7 +9,8 @@ device on `expert`. The same jitted engine runs on sharded arrays; only these pl
   kernel on its own E/N experts, tokens routed elsewhere get weight 0, then one `psum`).
 * `topk_logsoftmax`: per-depth top-K of the draft distribution from vocab-sharded logits (local top-K and
   local log-Z per shard, two all-gathers of `[B, D, tensor * K]` at most, a global merge).
-* `mla_attention`: the attention kernel per device on its own heads (a custom call GSPMD cannot split).
+* `mla_attention`, `drafter_attention`: the attention kernels per device on their own heads (a custom call GSPMD
+  cannot split).
 Everything else (the head-parallel projections, dense / shared FFN, the vocab-parallel lm_head, the greedy
 argmax) is left to XLA's GSPMD partitioner, which inserts the all-reduces the shardings imply.
 
@@ -208,6 +209,27 @@ def mla_attention(
         out_specs=heads,
         check_vma=False,  # as in moe_swiglu
     )(q, latent_cache, prefix_len, tree_mask)
+
+
+def drafter_attention(
+    kernels: dispatch.Kernels, q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int
+) -> jax.Array:
+    """`dispatch.drafter_attention` (q `[B, S, nh, hd]`, stacked cache `[layers, B, L, kvh, hd]`, ctx_len `[B]`,
+    block K/V `[B, S, kvh, hd]`), run per device on its heads under the active mesh: query and KV heads split over
+    `tensor` (each device's query heads read its own KV heads), rows over `data`. No collective."""
+    mesh = _active
+    if mesh is None:
+        return dispatch.drafter_attention(kernels, q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer)
+    batch, heads = LOGICAL_AXES["batch"], LOGICAL_AXES["heads"]
+    per_head = PartitionSpec(batch, None, heads, None)
+    cache = PartitionSpec(None, batch, None, heads, None)
+    return jax.shard_map(
+        lambda *a: dispatch.drafter_attention(kernels, *a, scale, layer),
+        mesh=mesh,
+        in_specs=(per_head, cache, cache, PartitionSpec(batch), per_head, per_head),
+        out_specs=per_head,
+        check_vma=False,  # as in moe_swiglu
+    )(q, ctx_k, ctx_v, ctx_len, block_k, block_v)
 
 
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------

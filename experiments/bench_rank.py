@@ -159,7 +159,7 @@ def measure(target: KimiForCausalLM, drafter: DFlashDrafter, budgets: list[int])
 
             def draft_only(ts, ds, s, spec=spec):
                 t, dr = nnx.merge(tg, ts), nnx.merge(dg, ds)
-                logits, _ = engine.draft(t, dr, s)
+                logits, _ = engine.draft(t, dr, s, spec.kernels)
                 return engine.build_trees(spec, dr, logits, s.root)[0].tokens
 
             fn = jax.jit(draft_only)

@@ -70,7 +70,7 @@ def time_round(
     @functools.partial(jax.jit, donate_argnums=3)
     @merged
     def draft(t, d, s, dcache):
-        return engine.draft(t, d, s._replace(dcache=dcache))
+        return engine.draft(t, d, s._replace(dcache=dcache), spec.kernels)
 
     @jax.jit
     @merged

@@ -1,13 +1,13 @@
 """The one dispatch point between models and kernels, and the kernel selection as one value.
 
-`Kernels` says which implementation each op runs: `moe_swiglu`, `mla_attention` and `build_tree` take "auto"
-(the Pallas GPU kernel on a GPU, the plain-JAX reference elsewhere), "reference", "pallas" or "interpret" (the
-Pallas kernel in interpret mode, to run the kernel path on a CPU). For MLA attention in Pallas mode `mla_kernel`
-picks the Pallas-Triton kernel (`mla_attention.py`, any head dim) or the Mosaic GPU one (`mla_mosaic.py`, Hopper;
-bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or "auto" (Mosaic on a Hopper GPU for calls with at least
-MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic kernel's tiling (None: the
-default `MosaicMLAConfig()`), and `topk_chunk` the row length of the chunk-wise exact top-k of the tree build
-(`ddtree_jax.topk`; 0: plain `lax.top_k`).
+`Kernels` says which implementation each op runs: `moe_swiglu`, `mla_attention`, `build_tree` and
+`drafter_attention` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference elsewhere), "reference",
+"pallas" or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a CPU). For MLA attention in
+Pallas mode `mla_kernel` picks the Pallas-Triton kernel (`mla_attention.py`, any head dim) or the Mosaic GPU one
+(`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or "auto" (Mosaic on a Hopper
+GPU for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic
+kernel's tiling (None: the default `MosaicMLAConfig()`), and `topk_chunk` the row length of the chunk-wise exact top-k
+of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
 A `Kernels` value is frozen and hashable: the engine carries it in its `GenSpec`, so it is part of every compiled
 program's key, and passes it down to these functions; nothing here reads a global at trace time. The environment
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pallas_kernels.mla_mosaic import MosaicMLAConfig
 
 MODES = ("auto", "reference", "pallas", "interpret")
-OPS = ("moe_swiglu", "mla_attention", "build_tree")
+OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention")
 MLA_KERNELS = ("auto", "triton", "mosaic")
 MOSAIC_MIN_ROWS = 64
 TOPK_CHUNK = 512
@@ -49,6 +49,7 @@ class Kernels:
     moe_swiglu: str = "auto"
     mla_attention: str = "auto"
     build_tree: str = "auto"
+    drafter_attention: str = "auto"
     mla_kernel: str = "auto"
     mla_tiling: MosaicMLAConfig | None = None
     topk_chunk: int = TOPK_CHUNK
@@ -152,6 +153,54 @@ def build_tree(kernels: Kernels, lp_k, ids_k, root, budget: int, reference):
 
         return build_tree_pallas(lp_k, ids_k, root, budget, interpret=impl == "interpret")
     return reference(lp_k, ids_k, root, budget)
+
+
+def drafter_attention(kernels: Kernels, q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int):
+    """The drafter's attention at layer `layer`: q `[B, S, nh, hd]`, ctx_k / ctx_v the whole stacked context cache
+    `[layers, B, L, kvh, hd]`, ctx_len `[B]`, block_k / block_v `[B, S, kvh, hd]` -> `[B, S, nh, hd]`; see
+    `reference.drafter_attention_reference` for the semantics (the Pallas kernel reads no cache slot past ctx_len;
+    its gradient is the reference's, so the drafter trains through either)."""
+    from pallas_kernels.drafter_attention import unsupported
+
+    impl = _choose("drafter_attention", kernels.drafter_attention, True, unsupported(q, ctx_k))
+    if impl != "reference":
+        return _drafter_attention_kernel(q, ctx_k, ctx_v, ctx_len, block_k, block_v, float(scale), layer, impl)
+    return _drafter_attention_reference(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer)
+
+
+def _drafter_attention_reference(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int):
+    return reference.drafter_attention_reference(q, ctx_k[layer], ctx_v[layer], ctx_len, block_k, block_v, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _drafter_attention_kernel(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int, impl: str):
+    """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the reference."""
+    from pallas_kernels.drafter_attention import drafter_attention_pallas
+
+    interpret = impl == "interpret"
+    return drafter_attention_pallas(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer, interpret=interpret)
+
+
+def _drafter_attention_fwd(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int, impl: str):
+    out = _drafter_attention_kernel(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer, impl)
+    return out, (q, ctx_k, ctx_v, ctx_len, block_k, block_v)
+
+
+def _drafter_attention_bwd(scale: float, layer: int, impl: str, residuals, grad):
+    q, ctx_k, ctx_v, ctx_len, block_k, block_v = residuals
+    _, vjp = jax.vjp(
+        lambda q, ck, cv, bk, bv: _drafter_attention_reference(q, ck, cv, ctx_len, bk, bv, scale, layer),
+        q,
+        ctx_k,
+        ctx_v,
+        block_k,
+        block_v,
+    )
+    dq, dck, dcv, dbk, dbv = vjp(grad)
+    return dq, dck, dcv, None, dbk, dbv  # ctx_len: integer, no cotangent
+
+
+_drafter_attention_kernel.defvjp(_drafter_attention_fwd, _drafter_attention_bwd)
 
 
 def _moe_kernel():

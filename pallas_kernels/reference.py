@@ -5,6 +5,8 @@ Kernels (and these references) know nothing of models: they take arrays.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -95,3 +97,54 @@ def mla_attention_reference(
         preferred_element_type=jnp.float32,
     )
     return o.astype(q.dtype)
+
+
+def attention_part(
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None, scale: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One part of a GQA attention, unnormalised: q `[B, S, kvh, G, hd]`, k/v `[B, L, kvh, hd]`, visible `[B, L]`
+    bool (None: every slot) -> (P V `[B, S, kvh, G, hd]` f32, row max m `[B, S, kvh, G]` f32, exp-sum l of the same
+    shape), with P = exp(scale * q.k - m) cast to v.dtype. A row that sees no slot has m = -inf, l = 0, P V = 0."""
+    s = jnp.einsum("bskgd,blkd->bskgl", q, k, preferred_element_type=jnp.float32) * scale
+    if visible is not None:
+        s = jnp.where(visible[:, None, None, None, :], s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1))  # a shift the output does not depend on
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])  # masked slots: exp(-inf) = 0
+    pv = jnp.einsum("bskgl,blkd->bskgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return pv, m, jnp.sum(p, axis=-1)
+
+
+def merge_parts(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+    """The attention output of unnormalised parts (P V, m, l) of `attention_part` over disjoint slot sets, merged by
+    log-sum-exp as flash attention merges partials: sum_i e^(m_i - M) P_i V_i / sum_i e^(m_i - M) l_i, M = max_i m_i
+    (f32). Parts a row never saw (m = -inf) weigh 0; a row no part saw is 0 / 0 = NaN, as a softmax over nothing."""
+    top = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = [jnp.exp(m - top) for _, m, _ in parts]
+    num = sum(w[..., None] * pv for w, (pv, _, _) in zip(weights, parts, strict=True))
+    den = sum(w * total for w, (_, _, total) in zip(weights, parts, strict=True))
+    return num / den[..., None]
+
+
+def drafter_attention_reference(
+    q: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_len: jax.Array,
+    block_k: jax.Array,
+    block_v: jax.Array,
+    scale: float,
+) -> jax.Array:
+    """GQA attention of a drafted block over its context cache and itself, without concatenating the two.
+
+    q: `[B, S, nh, hd]`; ctx_k, ctx_v: `[B, L, kvh, hd]`, slots `< ctx_len[b]` visible (ctx_len `[B]` int32, may be
+    0); block_k, block_v: `[B, S, kvh, hd]`, all visible (bidirectional). Query head h reads KV head h // (nh / kvh).
+    Returns `[B, S, nh, hd]` in q.dtype: softmax(scale * q.K) @ V over the visible context and the block, computed
+    as two parts (`attention_part`) merged by log-sum-exp (`merge_parts`), f32 softmax.
+    """
+    b, s, nh, hd = q.shape
+    kvh = ctx_k.shape[2]
+    qg = q.reshape(b, s, kvh, nh // kvh, hd)
+    ctx_visible = jnp.arange(ctx_k.shape[1])[None, :] < ctx_len[:, None]
+    parts = [attention_part(qg, ctx_k, ctx_v, ctx_visible, scale), attention_part(qg, block_k, block_v, None, scale)]
+    return merge_parts(parts).reshape(b, s, nh, hd).astype(q.dtype)

@@ -25,7 +25,7 @@ from ddtree_jax.models.kimi import KimiForCausalLM
 from ddtree_jax.models.params import param_table
 from ddtree_jax.sampling import request_keys
 from ddtree_jax.training import synthetic
-from pallas_kernels.dispatch import TOPK_CHUNK
+from pallas_kernels.dispatch import TOPK_CHUNK, Kernels
 
 CFG = tiny_kimi_config(vocab_size=96)  # 96: divisible by every tensor size tested
 BATCH, PROMPT, NEW, BUDGET = 2, 6, 16, 8
@@ -56,6 +56,28 @@ def generate_ar(target: KimiForCausalLM, prompts: np.ndarray, plen: np.ndarray) 
     program, ts, ds = engine.compile_generate(target, None, spec)
     out = program(ts, ds, jnp.asarray(prompts), jnp.asarray(plen), request_keys(0, range(BATCH)))
     return [np.asarray(out.tokens[b, : out.n_out[b]]).tolist() for b in range(spec.batch)]
+
+
+def drafter_hidden(drafter: DFlashDrafter, mode: str) -> np.ndarray:
+    """The drafter's output `[B, S, H]` on fixed inputs (context lengths 0 and 7 of 16 slots), its attention run in
+    `mode` (under the active mesh: per device on its heads, `sharding.drafter_attention`)."""
+    c, b, ctx = drafter.config, 2, 10
+    rng = np.random.default_rng(6)
+    feats = jnp.asarray(rng.standard_normal((b, ctx, len(c.target_layer_ids) * c.hidden_size)), jnp.float32)
+    embeds = jnp.asarray(rng.standard_normal((b, c.block_size, c.hidden_size)), jnp.float32)
+    cache_len = jnp.asarray([0, 7], jnp.int32)
+    graphdef, state = nnx.split(drafter)
+
+    @jax.jit
+    def run(state):
+        d = nnx.merge(graphdef, state)
+        cache = d.append_context(
+            d.init_cache(b, 16), feats, jnp.arange(ctx)[None].repeat(b, 0), jnp.zeros((b,), jnp.int32)
+        )
+        positions = cache_len[:, None] + jnp.arange(c.block_size)[None, :]
+        return d(embeds, positions, cache, cache_len, Kernels().with_mode(mode, op="drafter_attention"))
+
+    return np.asarray(run(state))
 
 
 def vocab_sharded_trees(mesh, vocab: int) -> dict:
@@ -115,6 +137,7 @@ def main(specs: list[str], out_dir: Path) -> None:
         reference[b, : len(t)] = t
     engine.draft = oracle_draft(reference, noise=1.2, seed=7)  # deep acceptance, siblings, compaction
     base_logits = forward_logits(base_target, tokens)
+    base_drafter = drafter_hidden(pair()[1], "reference")
     ckpt = synthetic.write_hf_checkpoint(out_dir / "ckpt", tiny_kimi_config(vocab_size=96), seed=2)
 
     results = {"ar": ar}
@@ -123,11 +146,14 @@ def main(specs: list[str], out_dir: Path) -> None:
         mesh = gen.mesh
         with sharding.use_mesh(mesh):
             logits = forward_logits(gen.target, tokens)
+            drafter = {mode: drafter_hidden(gen.drafter, mode) for mode in ("reference", "interpret")}
         prompts = [row[:n].tolist() for row, n in zip(tokens, plen, strict=True)]
         ddt = gen.generate(prompts, method="ddtree", budget=BUDGET, max_new_tokens=NEW, ignore_eos=True)
         results[spec] = {
             "logits_max_diff": float(np.abs(logits - base_logits).max()),
             "logits_scale": float(np.abs(base_logits).max()),
+            "drafter_max_diff": {mode: float(np.abs(h - base_drafter).max()) for mode, h in drafter.items()},
+            "drafter_scale": float(np.abs(base_drafter).max()),
             "ddtree": ddt.tokens,
             "ddtree_tau": float(np.mean([s["tokens_per_round"] for s in ddt.stats])),
             "tree": vocab_sharded_trees(mesh, CFG.vocab_size) if mesh.shape["tensor"] > 1 else None,

@@ -78,7 +78,10 @@ def test_unknown_environment_values_fail_naming_them(var, value):
 
 def test_environment_chooses_the_default_selection():
     env = {"DDTREE_KERNELS": "reference", "DDTREE_MLA_KERNEL": "triton", "DDTREE_TOPK_CHUNK": "0"}
-    assert Kernels.from_env(env) == Kernels("reference", "reference", "reference", "triton", None, 0)
+    assert Kernels.from_env(env) == Kernels(
+        **dict.fromkeys(dispatch.OPS, "reference"), mla_kernel="triton", topk_chunk=0
+    )
+    assert dispatch.OPS == ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention")
     assert Kernels.from_env({}) == Kernels() and hash(Kernels.from_env({})) == hash(Kernels())
 
 

@@ -44,7 +44,7 @@ def oracle_draft(reference: np.ndarray, noise: float, seed: int):
     noise so that acceptance is partial and siblings get accepted: exercises deep walks and compaction."""
     ref = jnp.asarray(reference)
 
-    def draft(target, drafter, s):
+    def draft(target, drafter, s, kernels=None):
         d, v = drafter.config.num_draft, target.config.vocab_size
         idx = jnp.minimum(s.n_out[:, None] + jnp.arange(d)[None, :], ref.shape[1] - 1)
         want = jnp.take_along_axis(ref, idx, axis=1)

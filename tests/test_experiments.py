@@ -146,6 +146,26 @@ def test_bench_tree_build(tiny_pair, tmp_path):
     assert tree["tokens_per_round"] >= 1 and tree["vs_chain"] > 0
 
 
+def test_bench_drafter_tiny(tmp_path):
+    """Every (mode, concurrency, allocation) cell timed; the kernel path in interpret mode."""
+    run(
+        "bench_drafter",
+        "--tiny",
+        "--modes=reference,interpret",
+        "--concurrency=2",
+        "--allocations=32,64",
+        "--context=10",
+        "--steps=1",
+        "--repeats=1",
+        f"--out_dir={tmp_path}",
+    )
+    recs = records(tmp_path / "bench_drafter.json")
+    assert [(r["mode"], r["allocation"]) for r in recs] == [
+        (m, a) for m in ("reference", "interpret") for a in (32, 64)
+    ]
+    assert all(r["ms"] > 0 and r["context"] == 10 and r["max_diff"] < 0.1 for r in recs)
+
+
 def test_bench_round_tiny(tmp_path):
     sweep = tmp_path / "sweep_budget.json"
     sweep.write_text(

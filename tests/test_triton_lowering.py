@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments.mla_common import abstract_inputs, lower_for_h200
+from pallas_kernels.drafter_attention import drafter_attention_pallas
 from pallas_kernels.mla_attention import mla_attention_pallas
 from pallas_kernels.tree_build import build_tree_pallas
 
@@ -58,5 +59,35 @@ def test_mla_kernel_multiplies_float32_in_float32(dtype):
     "highest" globally, so the test resets it)."""
     with jax.default_matmul_precision("default"):
         found = dot_precisions(jax.make_jaxpr(mla)(*abstract_inputs(2, 3, 16, 1024, dtype)).jaxpr)
+    highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
+    assert found and (all(highest) if dtype == jnp.float32 else not any(highest))
+
+
+def drafter_inputs(batch: int, length: int, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """K2.6 drafter shapes (block 8, 64 query / 8 KV heads of 128, 6 layers) of one attention call."""
+    per_row = (batch, 8, 8, 128)
+    return (
+        spec((batch, 8, 64, 128), dtype),
+        *[spec((6, batch, length, 8, 128), dtype)] * 2,
+        spec((batch,), jnp.int32),
+        *[spec(per_row, dtype)] * 2,
+    )
+
+
+def drafter(q, ctx_k, ctx_v, ctx_len, block_k, block_v):
+    return drafter_attention_pallas(q, ctx_k, ctx_v, ctx_len, block_k, block_v, 128**-0.5, 2)
+
+
+@pytest.mark.parametrize(("batch", "dtype"), [(1, jnp.bfloat16), (32, jnp.bfloat16), (4, jnp.float32)])
+def test_drafter_attention_kernel_lowers(batch, dtype):
+    text = lower_for_h200(drafter, *drafter_inputs(batch, 2048, dtype))
+    assert "__gpu$xla.gpu.triton" in text and "drafter_attention" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_drafter_attention_kernel_multiplies_float32_in_float32(dtype):
+    """As the MLA kernel: HIGHEST on f32 operands, the default on bf16 ones."""
+    with jax.default_matmul_precision("default"):
+        found = dot_precisions(jax.make_jaxpr(drafter)(*drafter_inputs(2, 256, dtype)).jaxpr)
     highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
     assert found and (all(highest) if dtype == jnp.float32 else not any(highest))

@@ -24,6 +24,7 @@ from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models.kimi import DenseMLP, norm_spec
 from ddtree_jax.models.layers import rms_norm, rope_half, yarn_inv_freq
 from ddtree_jax.models.params import ParamPath, WeightSpec, init_params, param_table
+from pallas_kernels.dispatch import Kernels
 
 
 class DrafterCache(NamedTuple):
@@ -117,30 +118,30 @@ class DFlashDrafter(nnx.Module):
         )
 
     def __call__(
-        self, block_embeds: jax.Array, positions: jax.Array, cache: DrafterCache, cache_len: jax.Array
+        self,
+        block_embeds: jax.Array,
+        positions: jax.Array,
+        cache: DrafterCache,
+        cache_len: jax.Array,
+        kernels: Kernels | None = None,
     ) -> jax.Array:
         """block_embeds `[B, S, H]` (target embedding of [anchor, mask...]) at `positions [B, S]`, attending to the
-        context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`."""
+        context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`. The attention is
+        `sharding.drafter_attention` (context and block as two parts, never concatenated); kernels: the kernel
+        selection (None: `Kernels.from_env()`; the engine passes its `GenSpec.kernels`)."""
+        kernels = Kernels.from_env() if kernels is None else kernels
         c = self.config
         nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = block_embeds * c.input_embedding_scale
         b, s, _ = x.shape
-        ctx_visible = jnp.arange(cache.k.shape[2])[None, :] < cache_len[:, None]  # [B, L]
-        visible = jnp.concatenate([ctx_visible, jnp.ones((b, s), bool)], axis=1)[:, None, None, None, :]
         for i, layer in enumerate(self.layers):
             a = rms_norm(x, layer.input_layernorm[...], c.rms_norm_eps)
             q = self._split_heads(jnp.dot(a, layer.q_proj[...]), nh)
             q = self._rope(rms_norm(q, layer.q_norm[...], c.rms_norm_eps), positions)
-            kb = self._split_heads(jnp.dot(a, self.kv_proj[i, 0]), kvh)
+            kb, vb = self._split_heads(jnp.einsum("bsh,thd->tbsd", a, self.kv_proj[i]), kvh)  # one dot for K and V
             kb = self._rope(rms_norm(kb, layer.k_norm[...], c.rms_norm_eps), positions)
-            vb = self._split_heads(jnp.dot(a, self.kv_proj[i, 1]), kvh)
-            keys = jnp.concatenate([cache.k[i], kb], axis=1)  # [B, L+S, kvh, hd]
-            vals = jnp.concatenate([cache.v[i], vb], axis=1)
-            qg = q.reshape(b, s, kvh, nh // kvh, hd)
-            sc = jnp.einsum("bskgd,blkd->bkgsl", qg, keys, preferred_element_type=jnp.float32) * hd**-0.5
-            p = jax.nn.softmax(jnp.where(visible, sc, -jnp.inf), axis=-1).astype(vals.dtype)
-            o = jnp.einsum("bkgsl,blkd->bskgd", p, vals, preferred_element_type=jnp.float32)
-            o = o.astype(x.dtype).reshape(b, s, nh * hd)
+            o = sharding.drafter_attention(kernels, q, cache.k, cache.v, cache_len, kb, vb, hd**-0.5, i)
+            o = o.reshape(b, s, nh * hd)
             x = x + jnp.dot(o, layer.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype)
             x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm[...], c.rms_norm_eps))
         return rms_norm(x, self.norm[...], c.rms_norm_eps)

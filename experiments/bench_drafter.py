@@ -1,0 +1,89 @@
+"""The drafter's forward alone at real dimensions: does its cost follow the context used or the cache allocated?
+
+    python -m experiments.bench_drafter                          # one GPU: allocations 2K and 8K, a 60-token context
+    python -m experiments.bench_drafter --tiny --modes=reference,interpret --allocations=32,64 --context=10  # CPU
+
+Builds the Kimi DFlash drafter (experiments/configs/kimi-k2.5-dflash; --tiny: toy dimensions) with random bf16
+weights. Per (attention implementation of `--modes`, a `Kernels.drafter_attention` mode; concurrency B;
+allocation L): a drafter cache `[layers, B, L, kv_heads, head_dim]` of random values whose first `--context` slots
+are valid, and one drafter forward on a block of random embeddings, timed back to back (median of
+`--repeats`); `max_diff`: its output's largest difference from the first mode's at the same cell (the kernel
+checked against the reference on the device). Results: <out_dir>/bench_drafter.json and .md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+from flax import nnx
+
+from ddtree_jax.config import load_dflash_config
+from ddtree_jax.errors import run_app
+from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache
+from experiments import common
+from pallas_kernels.dispatch import Kernels
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("drafter_config", str(common.RELEASED_CONFIGS / "kimi-k2.5-dflash"), "DFlash drafter config")
+flags.DEFINE_list("modes", ["reference", "pallas"], "drafter attention implementations (Kernels modes)")
+flags.DEFINE_list("concurrency", ["1", "32"], "batch rows")
+flags.DEFINE_list("allocations", ["2048", "8192"], "drafter cache slots allocated per row")
+flags.DEFINE_integer("context", 60, "valid context slots per row")
+flags.DEFINE_integer("steps", 20, "forwards per timing")
+flags.DEFINE_integer("repeats", 5, "timings (median)")
+flags.DEFINE_bool("tiny", False, "toy dimensions (CPU smoke test of this script)")
+flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
+
+COLUMNS = ["mode", "concurrency", "allocation", "context", "ms", "max_diff"]
+
+
+def drafter_config():
+    cfg = load_dflash_config(FLAGS.drafter_config)
+    if not FLAGS.tiny:
+        return cfg
+    small = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
+    return dataclasses.replace(cfg, **small, num_key_value_heads=2, head_dim=16, vocab_size=256, mask_token_id=255)
+
+
+def time_forward(drafter: DFlashDrafter, mode: str, batch: int, allocation: int) -> tuple[float, jax.Array]:
+    """(median milliseconds, output `[B, S, H]`) of one drafter forward of B rows over an `allocation`-slot cache,
+    `--context` slots valid."""
+    c = drafter.config
+    keys = jax.random.split(jax.random.key(0), 3)
+    shape = (c.num_hidden_layers, batch, allocation, c.num_key_value_heads, c.head_dim)
+    cache = DrafterCache(*(jax.random.normal(k, shape, jnp.bfloat16) for k in keys[:2]))
+    embeds = jax.random.normal(keys[2], (batch, c.block_size, c.hidden_size), jnp.bfloat16)
+    cache_len = jnp.full((batch,), FLAGS.context, jnp.int32)
+    positions = cache_len[:, None] + jnp.arange(c.block_size)[None, :]
+    kernels = Kernels().with_mode(mode, op="drafter_attention")
+    graphdef, state = nnx.split(drafter)
+    forward = jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a, kernels))
+    runs = [
+        common.time_back_to_back(lambda: forward(state, embeds, positions, cache, cache_len), 2, FLAGS.steps)
+        for _ in range(FLAGS.repeats)
+    ]
+    return 1e3 * statistics.median(runs), forward(state, embeds, positions, cache, cache_len)
+
+
+def main(_) -> None:
+    cfg = drafter_config()
+    drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    records, first = [], {}
+    for mode in FLAGS.modes:
+        for batch in map(int, FLAGS.concurrency):
+            for allocation in map(int, FLAGS.allocations):
+                ms, out = time_forward(drafter, mode, batch, allocation)
+                out = first.setdefault((batch, allocation), out).astype(jnp.float32) - out.astype(jnp.float32)
+                records.append({"mode": mode, "concurrency": batch, "allocation": allocation, "ms": ms})
+                records[-1] |= {"context": FLAGS.context, "max_diff": float(jnp.abs(out).max())}
+                print(common.markdown_table(records[-1:], COLUMNS).splitlines()[-1], flush=True)
+    path = common.write_results("bench_drafter", records, COLUMNS, FLAGS.out_dir, extra={"tiny": FLAGS.tiny})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    run_app(main)
