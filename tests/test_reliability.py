@@ -190,7 +190,7 @@ def test_drafter_config_missing(cli: Cli) -> None:
     [
         ({"id": "e", "prompt_ids": []}, "prompt 'e' is empty"),
         ({"prompt_ids": [1]}, "missing 'id'"),
-        ({"id": "q", "prompt": "x", "prompt_ids": [1]}, "needs exactly one of 'prompt' and 'prompt_ids'"),
+        ({"id": "q", "prompt": "x", "prompt_ids": [1]}, "needs exactly one of 'prompt', 'prompt_ids' and 'messages'"),
     ],
 )
 def test_more_bad_prompts(cli: Cli, record: dict, message: str) -> None:
