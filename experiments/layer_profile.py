@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from absl import flags
 from flax import nnx
 from jax import lax
+from tqdm import tqdm
 
 from ddtree_jax import engine
 from ddtree_jax.config import KimiConfig, load_dflash_config, load_kimi_config
@@ -61,7 +62,6 @@ from ddtree_jax.models.kimi import KimiForCausalLM
 from ddtree_jax.models.params import param_table
 from experiments import common, device_profile, rank_model, round_pieces
 from experiments.mla_common import copy_bandwidth, per_call_time
-from experiments.progress import Progress
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target_config", str(common.RELEASED_CONFIGS / "kimi-k2.6"), "Kimi K2.6 config directory")
@@ -305,7 +305,7 @@ def cells_of(layout: str, block_size: int) -> list[Cell]:
     ]
 
 
-def run_layout(layout: str, meta: dict, records: list[dict], cells: list[dict], extra: dict, bar: Progress) -> None:
+def run_layout(layout: str, meta: dict, records: list[dict], cells: list[dict], extra: dict, bar: tqdm) -> None:
     """Build `layout`'s model, measure its copy rate, compile every cell's two loops on threads, then time and
     profile the cells in order, writing the results after each. Nothing is timed while anything compiles: XLA's
     autotuning runs kernels on the device."""
@@ -316,11 +316,12 @@ def run_layout(layout: str, meta: dict, records: list[dict], cells: list[dict], 
     drafters = {c: drafter if c.spec.method != "ar" else None for c in todo}
     states = {c: round_pieces.synthetic_state(target, drafters[c], c.spec, c.context) for c in todo}
     ks = (FLAGS.inner, 2 * FLAGS.inner)
-    bar.step(f"{layout}: compiling {len(todo) * len(ks)} programs")
+    bar.set_postfix_str(f"{layout}: compiling {len(todo) * len(ks)} programs")
     with concurrent.futures.ThreadPoolExecutor(FLAGS.compile_workers) as pool:
         futures = {(c, k): pool.submit(loop_program, target, drafters[c], c, states[c], k) for c in todo for k in ks}
     for c in todo:
-        bar.step(f"{layout} {c.spec.method} b={c.spec.budget} B={c.spec.batch}")
+        bar.update()
+        bar.set_postfix_str(f"{layout} {c.spec.method} b={c.spec.budget} B={c.spec.batch}")
         programs = {k: futures[c, k].result() for k in ks}
         rows, summary = profile_cell(c, target, drafter, programs, states[c], rates["loop"])
         records += rows
@@ -341,11 +342,10 @@ def main(_) -> None:
     extra = {"cells": cells, "copy_rates_tbps": {}, "inner": FLAGS.inner, "repeats": FLAGS.repeats}
     extra |= {"context": FLAGS.context, "tiny": FLAGS.tiny, "ranks": FLAGS.ranks, "tensor": FLAGS.tensor}
     extra["local_topk"] = FLAGS.local_topk
-    steps = 1 + (1 + len(FLAGS.budgets)) * len(FLAGS.concurrency)  # compiling, then the cells
-    bar = Progress(len(FLAGS.layouts) * steps, FLAGS.name)
-    for layout in FLAGS.layouts:
-        run_layout(layout, meta, records, cells, extra, bar)
-    bar.done()
+    steps = (1 + len(FLAGS.budgets)) * len(FLAGS.concurrency)  # the cells of a layout
+    with tqdm(total=len(FLAGS.layouts) * steps, desc=FLAGS.name, unit="cell") as bar:
+        for layout in FLAGS.layouts:
+            run_layout(layout, meta, records, cells, extra, bar)
     print(common.markdown_table([r for r in records if r["layer_kind"] != "round"], COLUMNS))
     print(common.markdown_table(cells, CELL_COLUMNS))
 
