@@ -45,7 +45,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +54,13 @@ from jax import lax
 from tqdm import tqdm
 
 from ddtree_jax import engine
-from ddtree_jax.config import KimiConfig, load_dflash_config, load_kimi_config
+from ddtree_jax.config import load_dflash_config, load_kimi_config
 from ddtree_jax.errors import UserError, run_app
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
 from ddtree_jax.models.params import param_table
 from experiments import common, device_profile, rank_model, round_pieces
+from experiments.layer_pieces import REST, expected_distinct, layer_kind, piece_label
 from experiments.mla_common import copy_bandwidth, per_call_time
 
 FLAGS = flags.FLAGS
@@ -83,9 +83,6 @@ flags.DEFINE_string("name", "layer_profile", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
 LAYERS = 2  # layer 0 dense, layer 1 MoE (first_k_dense_replace = 1)
-LAYER_PIECES = ("prologue", "cache_write", "attention", "o_proj", "router", "experts", "shared_expert", "ffn")
-REST = "norms_residual"  # what a layer runs outside its named pieces
-ROUND_SCOPES = ("step", "draft", "tree", "verify", "accept")  # engine.py's scopes
 PROLOGUE_WEIGHTS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "w_uk")
 WEIGHT_PIECE = {name: "prologue" for name in PROLOGUE_WEIGHTS} | {
     "w_uv": "o_proj",
@@ -113,27 +110,6 @@ class Cell:
     def tokens(self) -> int:
         """Tokens per row through the target per iteration: 1 (AR) or budget + 1 (DDTree verify)."""
         return engine.tree_size(self.spec, 0)
-
-
-def layer_kind(cfg: KimiConfig, layer: int) -> str:
-    return "moe" if cfg.is_moe_layer(layer) else "dense"
-
-
-def piece_label(parts: list[str], cfg: KimiConfig) -> str:
-    """An instruction's op_name path -> 'dense/<piece>' or 'moe/<piece>' inside a layer, else 'round/<scope>'
-    ('round/outside_loop' for what runs once per program, before or after the loop)."""
-    layer = next((int(p[6:]) for p in parts if re.fullmatch(r"layer_\d+", p)), None)
-    if layer is not None:
-        return f"{layer_kind(cfg, layer)}/" + next((p for p in parts if p in LAYER_PIECES), REST)
-    if "body" not in parts:
-        return "round/outside_loop"
-    scope = next((p for p in parts if p in ROUND_SCOPES), "loop")
-    return f"round/{scope}" + ("_lm_head" if "lm_head" in parts else "")
-
-
-def expected_distinct(experts: int, picks: int) -> float:
-    """Distinct experts touched by `picks` uniform draws from `experts`: E (1 - (1 - 1/E)^picks)."""
-    return experts * (1.0 - (1.0 - 1.0 / experts) ** picks)
 
 
 def piece_bytes(target: KimiForCausalLM, drafter: DFlashDrafter | None, cell: Cell, cache_dtype) -> dict[str, float]:

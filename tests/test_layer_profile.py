@@ -9,7 +9,8 @@ import math
 import pytest
 from test_experiments import META, records, run
 
-from experiments import layer_profile
+from experiments import layer_pieces
+from experiments.common import RELEASED_CONFIGS
 from experiments.rank_model import tiny_configs
 
 PIECES = {
@@ -55,8 +56,8 @@ def test_tiny_run_reports_every_piece_of_both_layer_kinds(tmp_path):
 
 
 def test_piece_label_and_expected_experts():
-    cfg, _ = tiny_configs(layer_profile.FLAGS["target_config"].default, layer_profile.FLAGS["drafter_config"].default)
-    label = layer_profile.piece_label
+    cfg, _ = tiny_configs(str(RELEASED_CONFIGS / "kimi-k2.6"), str(RELEASED_CONFIGS / "kimi-k2.5-dflash"))
+    label = layer_pieces.piece_label
     body = ["jit(run)", "while", "body", "eval_jaxpr"]
     assert label([*body, "verify", "layer_1", "router", "dot_general"], cfg) == "moe/router"
     assert label([*body, "step", "layer_0", "ffn", "dot_general"], cfg) == "dense/ffn"
@@ -65,5 +66,5 @@ def test_piece_label_and_expected_experts():
     assert label([*body, "draft", "lm_head", "dot_general"], cfg) == "round/draft_lm_head"
     assert label([*body, "add"], cfg) == "round/loop"
     assert label(["jit(run)", "copy"], cfg) == "round/outside_loop"
-    assert layer_profile.expected_distinct(384, 8) == pytest.approx(7.93, abs=0.01)  # decode_budget.md's table
-    assert layer_profile.expected_distinct(384, 72) == pytest.approx(65.7, abs=0.1)
+    assert layer_pieces.expected_distinct(384, 8) == pytest.approx(7.93, abs=0.01)  # decode_budget.md's table
+    assert layer_pieces.expected_distinct(384, 72) == pytest.approx(65.7, abs=0.1)
