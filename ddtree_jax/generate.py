@@ -222,9 +222,7 @@ def main(argv: Sequence[str]) -> None:
     except ValueError as e:
         raise UserError(f"kernel selection (DDTREE_* environment): {e}") from None
 
-    dtype = (
-        default_dtype() if FLAGS.dtype == "auto" else {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
-    )
+    dtype = default_dtype() if FLAGS.dtype == "auto" else jnp.dtype(FLAGS.dtype)
     longest = padded_prompt_len(max(len(p.token_ids) for _, p in todo))
     memory.check_fits(
         target_cfg,
@@ -242,6 +240,7 @@ def main(argv: Sequence[str]) -> None:
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
     exec_s = compile_s = 0.0
+    tokens = 0
     bar = tqdm(total=len(todo), unit="req", desc="generate", dynamic_ncols=True)
     for start in range(0, len(todo), FLAGS.batch_size):
         batch = todo[start : start + FLAGS.batch_size]
@@ -270,7 +269,7 @@ def main(argv: Sequence[str]) -> None:
         records += done_now
         exec_s, compile_s = exec_s + res.wall_s, compile_s + res.compile_s
         bar.update(len(batch))
-        tokens = sum(len(r["token_ids"]) for r in records)
+        tokens += sum(len(t) for t in res.tokens)
         bar.set_postfix_str(f"{tokens} tokens, {tokens / exec_s:.1f} tok/s aggregate (exec)")
     bar.close()
     print(summary_table(records, exec_s, compile_s, time.perf_counter() - started))
