@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_dflash_config, tiny_kimi_config
 from flax import nnx
 
-from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models.dflash import DFlashDrafter
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
@@ -139,23 +139,7 @@ def test_every_mode_selects_the_drafter_attention_op():
 
 
 def drafter_and_inputs(rng: np.random.Generator, dtype):
-    cfg = DFlashConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_target_layers=4,
-        block_size=4,
-        target_layer_ids=(1, 3),
-        vocab_size=128,
-        mask_token_id=1,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-    )
+    cfg = tiny_dflash_config(tiny_kimi_config(vocab_size=128))  # 2 target layers of features: 2 x hidden
     drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 20))), dtype=dtype)
     b, ctx = 3, 12
     feats = jnp.asarray(rng.standard_normal((b, ctx, 2 * cfg.hidden_size)), dtype)
