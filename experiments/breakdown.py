@@ -12,7 +12,7 @@ pieces, `idle_ms` = round_ms - device-busy time; `top_kernels`: the costliest ke
 per round, launches per round]. Prefill is excluded. On a CPU the per-op events of a multi-threaded runtime overlap,
 so only the GPU numbers add up. On a GPU XLA runs the loop body as one CUDA graph: its kernels follow each other
 without launch gaps, and the profiler stretches them a little, so `idle_ms` comes out near zero or slightly negative.
-Writes <out_dir>/breakdown.json and .md.
+Writes <out_dir>/<name>.json and .md (default breakdown).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ flags.DEFINE_integer("context", 60, "prompt tokens per row")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per row (stop tokens ignored)")
 flags.DEFINE_integer("repeats", 5, "timed runs per program (median)")
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling the programs up front")
+flags.DEFINE_string("name", "breakdown", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
 PIECES = ("draft", "tree", "verify", "accept", "step", "other")  # `step`: the AR round; `other`: loop ops outside
@@ -116,7 +117,7 @@ def main(_) -> None:
             **meta,
         }
         records.append(rec)
-        common.write_results("breakdown", records, COLUMNS, FLAGS.out_dir or None)
+        common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None)
     print(common.markdown_table(records, COLUMNS))
 
 

@@ -39,7 +39,7 @@ def git_commit() -> str:
 
 
 def metadata() -> dict[str, Any]:
-    """Device, jax version, commit and UTC date for a result record."""
+    """Device, jax version, commit, UTC date and the DDTREE_KERNELS selection for a result record."""
     dev = jax.devices()[0]
     return {
         "device": getattr(dev, "device_kind", str(dev)),
@@ -48,6 +48,7 @@ def metadata() -> dict[str, Any]:
         "jax_version": jax.__version__,
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "kernels": os.environ.get("DDTREE_KERNELS", "auto"),
     }
 
 

@@ -11,7 +11,7 @@ of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
 A `Kernels` value is frozen and hashable: the engine carries it in its `GenSpec`, so it is part of every compiled
 program's key, and passes it down to these functions; nothing here reads a global at trace time. The environment
-only chooses the default (`Kernels.from_env`): DDTREE_KERNELS (every op), DDTREE_MLA_KERNEL, DDTREE_MLA_TILING
+only chooses the default (`Kernels.from_env`): DDTREE_KERNELS (every op, or 'op=mode,...'), DDTREE_MLA_KERNEL, DDTREE_MLA_TILING
 ("field=value,...", `MosaicMLAConfig.from_text`) and DDTREE_TOPK_CHUNK. Every choice is logged once per
 (op, implementation).
 """
@@ -73,12 +73,12 @@ class Kernels:
         """The default selection: DDTREE_KERNELS, DDTREE_MLA_KERNEL, DDTREE_MLA_TILING and DDTREE_TOPK_CHUNK of
         `environ` (default `os.environ`); a ValueError names an unknown value."""
         env = os.environ if environ is None else environ
-        mode = env.get("DDTREE_KERNELS", "auto")
+        modes = ops_from_text(env.get("DDTREE_KERNELS", "auto"))
         chunk = env.get("DDTREE_TOPK_CHUNK", str(TOPK_CHUNK))
         if not chunk.isdigit():
             raise ValueError(f"DDTREE_TOPK_CHUNK {chunk!r} is not a non-negative integer")
         return cls(
-            **dict.fromkeys(OPS, mode),
+            **modes,
             mla_kernel=env.get("DDTREE_MLA_KERNEL", "auto"),
             mla_tiling=tiling_from_text(env.get("DDTREE_MLA_TILING", "")),
             topk_chunk=int(chunk),
@@ -89,6 +89,21 @@ class Kernels:
         if op is not None and op not in OPS:
             raise ValueError(f"kernel op {op!r} not one of {OPS}")
         return dataclasses.replace(self, **dict.fromkeys(OPS if op is None else (op,), mode))
+
+
+def ops_from_text(text: str) -> dict[str, str]:
+    """The mode of every op from 'MODE', 'op=MODE,...' or 'MODE,op=MODE,...' (ops not named run the leading MODE,
+    default auto); a ValueError names a bad entry."""
+    modes = dict.fromkeys(OPS, "auto")
+    for i, entry in enumerate(e.strip() for e in text.split(",")):
+        op, eq, mode = entry.rpartition("=")
+        if not eq and i == 0:
+            modes = dict.fromkeys(OPS, mode)
+        elif op in OPS:
+            modes[op] = mode
+        else:
+            raise ValueError(f"DDTREE_KERNELS entry {entry!r} is not MODE (first) or op=MODE with op one of {OPS}")
+    return modes
 
 
 def tiling_from_text(text: str) -> MosaicMLAConfig | None:

@@ -66,13 +66,15 @@ def test_reference_mode_never_calls_a_kernel(monkeypatch):
     "var,value",
     [
         ("DDTREE_KERNELS", "fast"),
+        ("DDTREE_KERNELS", "auto,drafter_attention=fast"),
+        ("DDTREE_KERNELS", "auto,drafter=reference"),
         ("DDTREE_MLA_KERNEL", "cutlass"),
         ("DDTREE_MLA_TILING", "schedule=waves"),
         ("DDTREE_TOPK_CHUNK", "-1"),
     ],
 )
 def test_unknown_environment_values_fail_naming_them(var, value):
-    with pytest.raises(ValueError, match=value):
+    with pytest.raises(ValueError, match=value.split(",")[-1].split("=")[-1]):
         Kernels.from_env({var: value})
 
 
@@ -83,6 +85,13 @@ def test_environment_chooses_the_default_selection():
     )
     assert dispatch.OPS == ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention")
     assert Kernels.from_env({}) == Kernels() and hash(Kernels.from_env({})) == hash(Kernels())
+
+
+def test_environment_names_modes_per_op():
+    env = {"DDTREE_KERNELS": "pallas,drafter_attention=reference"}
+    assert Kernels.from_env(env) == Kernels().with_mode("pallas").with_mode("reference", op="drafter_attention")
+    env = {"DDTREE_KERNELS": "build_tree=interpret"}
+    assert Kernels.from_env(env) == Kernels(build_tree="interpret")
 
 
 def test_per_op_mode_applies_to_that_op_only():
