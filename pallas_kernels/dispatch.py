@@ -11,9 +11,9 @@ of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
 A `Kernels` value is frozen and hashable: the engine carries it in its `GenSpec`, so it is part of every compiled
 program's key, and passes it down to these functions; nothing here reads a global at trace time. The environment
-only chooses the default (`Kernels.from_env`): DDTREE_KERNELS (every op, or 'op=mode,...'), DDTREE_MLA_KERNEL, DDTREE_MLA_TILING
-("field=value,...", `MosaicMLAConfig.from_text`) and DDTREE_TOPK_CHUNK. Every choice is logged once per
-(op, implementation).
+only chooses the default (`Kernels.from_env`): DDTREE_KERNELS (every op, or 'op=mode,...'), DDTREE_MLA_KERNEL,
+DDTREE_MLA_TILING ("field=value,...", `MosaicMLAConfig.from_text`) and DDTREE_TOPK_CHUNK. Every choice is logged
+once per (op, implementation).
 """
 
 from __future__ import annotations
