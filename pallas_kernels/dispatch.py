@@ -44,7 +44,9 @@ _logged: set[tuple[str, str]] = set()
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The kernel selection of a program: an implementation per op (one of MODES), the Pallas MLA kernel (one of
-    MLA_KERNELS), the Mosaic MLA tiling (None: the default) and the top-k chunk length (0: `lax.top_k`)."""
+    MLA_KERNELS), the Mosaic MLA tiling (None: the default), the top-k chunk length (0: `lax.top_k`) and `exact`:
+    the target's batch- and tree-invariant numerics (docs/exactness.md), a token's logits independent of how many
+    rows or tree nodes share the call."""
 
     moe_swiglu: str = "auto"
     mla_attention: str = "auto"
@@ -53,6 +55,7 @@ class Kernels:
     mla_kernel: str = "auto"
     mla_tiling: MosaicMLAConfig | None = None
     topk_chunk: int = TOPK_CHUNK
+    exact: bool = False
 
     def __post_init__(self):
         for op in OPS:
