@@ -40,6 +40,12 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def default_exact() -> bool:
+    """The exact (batch- and tree-invariant) numerics are on by default on a GPU; a CPU runs float32 by default,
+    exact there without them (docs/exactness.md)."""
+    return jax.default_backend() == "gpu"
+
+
 def padded_prompt_len(longest: int) -> int:
     """The prompt length a batch whose longest prompt has `longest` tokens is compiled for."""
     return PROMPT_BUCKET * math.ceil(longest / PROMPT_BUCKET)
@@ -76,10 +82,13 @@ class Generator:
         *,
         mesh: Mesh | str | None = None,
         trained_context: int | None = None,
+        exact: bool | None = None,
     ):
         """mesh: a `jax.sharding.Mesh` or spec like "expert=8,tensor=1" (sharding.py); None: all local devices
         on `expert` when there are several, else the single-device program. Params are placed on it.
-        trained_context: the window length the target was trained on, if known; longer requests are logged."""
+        trained_context: the window length the target was trained on, if known; longer requests are logged.
+        exact: every program computes a token's target logits independently of the batch, the method and the tree
+        (`Kernels.exact`), so speculative output equals `ar`'s bit for bit; None: `default_exact()`."""
         if drafter is not None:
             check_pair(target.config, drafter.config)
         self.mesh = sharding.resolve_mesh(mesh)
@@ -89,6 +98,7 @@ class Generator:
                 sharding.shard_model(drafter, self.mesh)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.trained_context = trained_context
+        self.exact = default_exact() if exact is None else exact
         self._compiled: dict[engine.GenSpec, tuple] = {}  # spec (kernel selection included) -> program and states
         self.compile_seconds: dict[engine.GenSpec, float] = {}  # per program, however it was compiled
 
@@ -104,12 +114,13 @@ class Generator:
         *,
         dtype=None,
         mesh: str | None = None,
+        exact: bool | None = None,
     ) -> Generator:
         """Load HF-format checkpoints, each a directory or a Hugging Face model id (`ddtree_jax.hub`), and the
         target's tokenizer when it has one.
 
         dtype: weights and activations; None: `default_dtype()` (float32 on a CPU, bfloat16 on an accelerator).
-        mesh: as in `__init__`; each target tensor goes straight to its shards as it is read."""
+        mesh, exact: as in `__init__`; each target tensor goes straight to its shards as it is read."""
         dtype = default_dtype() if dtype is None else dtype
         from ddtree_jax.checkpoint import load_target
         from ddtree_jax.dflash_checkpoint import load_drafter
@@ -122,7 +133,7 @@ class Generator:
         target = load_target(target_dir, dtype=dtype, sharding_fn=place)
         drafter = load_drafter(drafter_dir, dtype=dtype) if drafter_dir is not None else None
         tok = load_tokenizer(target_dir) if has_tokenizer(target_dir) else None
-        return cls(target, drafter, tok, mesh=mesh, trained_context=trained_context(Path(target_dir)))
+        return cls(target, drafter, tok, mesh=mesh, trained_context=trained_context(Path(target_dir)), exact=exact)
 
     def spec(
         self,
@@ -139,7 +150,8 @@ class Generator:
         stop_token_ids: Sequence[int] = (),
         kernels: Kernels | None = None,
     ) -> engine.GenSpec:
-        """The program for these settings; kernels None: `Kernels.from_env()` (read now). Its stop ids are
+        """The program for these settings; kernels None: `Kernels.from_env()` (read now), its `exact` set to this
+        generator's. Its stop ids are
         stop_token_ids and, unless ignore_eos, the target's EOS ids; ids outside the vocabulary are a ValueError."""
         vocab = self.target.config.vocab_size
         bad = [i for i in stop_token_ids if not 0 <= i < vocab]
@@ -156,7 +168,7 @@ class Generator:
             top_k=top_k,
             top_p=float(top_p),
             stop_ids=tuple(sorted({*stop_token_ids, *eos})),
-            kernels=Kernels.from_env() if kernels is None else kernels,
+            kernels=dataclasses.replace(Kernels.from_env() if kernels is None else kernels, exact=self.exact),
         )
 
     def spec_for(

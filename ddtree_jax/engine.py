@@ -177,8 +177,10 @@ def prefill(
     """prompts `[B, P]` right-padded, prompt_len `[B]`, keys `[B]` (one per row) -> the loop state after the first
     generated token.
 
-    Up to `spec.prefill_chunk` tokens: one pass in the naive (per-head) MLA form. Longer: a scan over chunks in the
-    absorbed form, each attending to the cache the earlier chunks wrote, so attention memory stays chunk x context.
+    Up to `spec.prefill_chunk` tokens: one pass in the naive (per-head) MLA form (the absorbed form under
+    `spec.kernels.exact`, so a prompt token's cache entry is the one decoding would write). Longer: a scan over
+    chunks in the absorbed form, each attending to the cache the earlier chunks wrote, so attention memory stays
+    chunk x context.
     """
     b = prompts.shape[0]
     d = num_draft(drafter)
@@ -202,7 +204,7 @@ def prefill(
             cache,
             zeros + offset,
             feature_layers=feature_layers,
-            naive=n_chunks == 1,
+            naive=n_chunks == 1 and not spec.kernels.exact,  # exact: the absorbed form, as decode computes
             kernels=spec.kernels,
         )
         if drafter is not None:

@@ -65,6 +65,12 @@ flags.DEFINE_enum(
     ["auto", "bfloat16", "float32"],
     "Weights / activations. auto: float32 on a CPU (exact: every method gives the same tokens), bfloat16 on a GPU.",
 )
+flags.DEFINE_bool(
+    "exact",
+    None,
+    "Batch- and tree-invariant numerics: speculative output equals --method=ar's bit for bit whatever the batch "
+    "(docs/exactness.md). Default: on a GPU.",
+)
 flags.DEFINE_bool("ignore_eos", False, "Generate past the model's EOS tokens (not past --stop_token_ids).")
 flags.DEFINE_integer("seed", 0, "Sampling seed; a request's samples depend only on (seed, its index in --prompts).")
 flags.DEFINE_bool("resume", False, "Keep the existing --output and skip the ids already in it.")
@@ -236,7 +242,7 @@ def main(argv: Sequence[str]) -> None:
         layout=memory.Layout.from_spec(FLAGS.mesh, jax.device_count()),
         dtype_bytes=jnp.dtype(dtype).itemsize,
     )
-    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh)
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh, exact=FLAGS.exact)
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
     exec_s = compile_s = 0.0

@@ -156,8 +156,14 @@ def moe_swiglu(kernels: Kernels, x, topk_ids, topk_weights, gate_up_q, gate_up_s
 
 
 def mla_attention(kernels: Kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim=512):
-    """Absorbed MLA attention; see `reference.mla_attention_reference` for shapes and semantics."""
+    """Absorbed MLA attention; see `reference.mla_attention_reference` for shapes and semantics. Under
+    `kernels.exact` the kernel is `mla_exact.mla_attention_exact` (a node's result independent of the call)."""
     if (impl := _choose("mla_attention", kernels.mla_attention, _mla_kernel() is not None)) != "reference":
+        if kernels.exact:
+            from pallas_kernels.mla_exact import mla_attention_exact
+
+            interpret = impl == "interpret"
+            return mla_attention_exact(q, latent_cache, prefix_len, tree_mask, scale, value_dim, interpret=interpret)
         kernel = mla_kernel_for(kernels, q, latent_cache, value_dim)
         return kernel(q, latent_cache, prefix_len, tree_mask, scale, value_dim, interpret=impl == "interpret")
     return reference.mla_attention_reference(q, latent_cache, prefix_len, tree_mask, scale, value_dim)
