@@ -17,8 +17,8 @@
 #   and (STAGES=layer_profile) one dense + one MoE Kimi K2.6 layer at full size, single GPU and one rank of 8: an AR
 #   step and DDTree b8/b16 rounds at B 1 and 8 timed in loops that carry the whole state, device time, kernels and
 #   bytes per piece of each layer against a copy rate timed in the same run (layer_profile; issue 32)
-#   and (STAGES=drafter) the drafter attention kernel: bench_drafter, breakdown at 32 rows with and without it, and
-#   the concurrency axis (issue 37; about 8 min)
+#   and (STAGES=drafter) the drafter attention kernel: bench_drafter, breakdown at 32 rows with and without it
+#   (issue 37; about 5 min)
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -83,13 +83,12 @@ want mla_splits && stage mla_splits_verify 150 "$PY" -m experiments.bench_mla --
   --contexts=8192 --nodes=17 --batches=8 --heads=64 --kernels=mosaic --mosaic_splits=6,10 \
   --check=false --name=bench_mla_split_model_verify
 # The drafter's attention (issue 37): its forward alone at 2K vs 8K allocation, then a chain / DDTree round at 32
-# rows with the plain-JAX drafter attention beside the Pallas kernel, then the concurrency axis with the kernel.
+# rows with the plain-JAX drafter attention beside the Pallas kernel.
 want drafter && stage bench_drafter 120 "$PY" -m experiments.bench_drafter --out_dir="$RES"
 want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_ref 90 "$PY" -m experiments.breakdown \
   --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --name=breakdown_c32_drafter_reference
 want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
   --budgets=8 --concurrency=32 --name=breakdown_c32
-want drafter && stage sweep_concurrency 180 "$PY" "${SWEEP[@]}" --axis=concurrency --concurrency=1,8,32,64,128
 want layer_profile && stage layer_profile "$LAYER_PROFILE_S" "$PY" -m experiments.layer_profile --out_dir="$RES" \
   --layouts=single,rank --budgets=8,16 --concurrency=1,8 --context=1024
 if want mla_profile; then
