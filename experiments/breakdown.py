@@ -37,6 +37,7 @@ flags.DEFINE_integer("context", 60, "prompt tokens per row")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per row (stop tokens ignored)")
 flags.DEFINE_integer("repeats", 5, "timed runs per program (median)")
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling the programs up front")
+flags.DEFINE_bool("exact", None, "the target's exact (batch- and tree-invariant) numerics; default: the product's")
 flags.DEFINE_string("name", "breakdown", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
@@ -67,7 +68,7 @@ def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, in
 def main(_) -> None:
     from ddtree_jax.api import Generator
 
-    gen = Generator.load(FLAGS.target, FLAGS.drafter)
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, exact=FLAGS.exact)
     base, source = workload.load_prompts(gen, FLAGS.prompts, FLAGS.concurrency)
     prompts = workload.at_length(base, FLAGS.context, FLAGS.concurrency)
     depth = gen.drafter.config.num_draft
@@ -99,6 +100,7 @@ def main(_) -> None:
             "budget": budget,
             "concurrency": FLAGS.concurrency,
             "context": FLAGS.context,
+            "exact": gen.exact,
             "rounds": iterations,
             "tokens_per_round": committed / sum(st["rounds"] for st in first.stats),
             "round_ms": round_s * 1e3,

@@ -86,9 +86,9 @@ want mla_splits && stage mla_splits_verify 150 "$PY" -m experiments.bench_mla --
 # rows with the plain-JAX drafter attention beside the Pallas kernel.
 want drafter && stage bench_drafter 120 "$PY" -m experiments.bench_drafter --out_dir="$RES"
 want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_ref 90 "$PY" -m experiments.breakdown \
-  --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --name=breakdown_c32_drafter_reference
+  --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --noexact --name=breakdown_c32_drafter_reference
 want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
-  --budgets=8 --concurrency=32 --name=breakdown_c32
+  --budgets=8 --concurrency=32 --noexact --name=breakdown_c32
 want layer_profile && stage layer_profile "$LAYER_PROFILE_S" "$PY" -m experiments.layer_profile --out_dir="$RES" \
   --layouts=single,rank --budgets=8,16 --concurrency=1,8 --context=1024
 if want mla_profile; then
