@@ -9,8 +9,9 @@ in a verify call, whatever the batch (issue 34, docs/exactness.md):
 * The node's keys are laid out by absolute position: the cache's prefix at positions `< prefix_len`, then its
   ancestors-or-self at position `prefix_len + depth` (depth = ancestors in the tree mask), exactly where one-token
   decoding would have written them. Other tree nodes are excluded, not only masked.
-* Positions are cut into fixed chunks of `CHUNK` absolute positions, visited in ascending order with an online
-  softmax (f32): the chunk boundaries and the order are those of a decode step at the node's position.
+* Positions are cut into fixed chunks of absolute positions (`chunk_len`: a function of the latent width only),
+  visited in ascending order with an online softmax (f32): the chunk boundaries and the order are those of a
+  decode step at the node's position.
 * Chunks reaching past the prefix gather the ancestors' latents into their position slots with a one-hot dot
   (each gathered value is 1.0 x the latent, summed with exact zeros: exact).
 """
@@ -30,10 +31,16 @@ from jax.experimental.pallas import triton as pltriton
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start
 CHUNK = 64  # absolute positions per context chunk (the cache is allocated in multiples of it: sizing.CACHE_ALIGN)
+WIDE_CHUNK = 32  # the chunk of latents wider than 256 (Kimi K2's 576: 64-slot tiles overflow an H100's SMEM)
 ROWS = 16  # query rows per program at least (heads padded): Triton dots take 16 rows and more
 
 
-def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, scale: float, value_dim: int):
+def chunk_len(latent_dim: int) -> int:
+    """Absolute positions per chunk for latents of `latent_dim` channels."""
+    return CHUNK if latent_dim <= 256 else WIDE_CHUNK
+
+
+def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, scale: float, value_dim: int, chunk: int):
     """One (sequence, node) program.
 
     prefix_ref: scalar int32; depth_ref `[Np]` int32 depth of each block node; see_ref `[Np]` int32, 1 where this
@@ -44,8 +51,8 @@ def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, sc
     prefix = prefix_ref[()]
     depth, see = depth_ref[...], see_ref[...] > 0
     total = prefix + jnp.max(jnp.where(see, depth, 0)) + 1  # positions this node attends to
-    n_chunks = pl.cdiv(total, CHUNK)
-    n_full = prefix // CHUNK  # chunks wholly inside the prefix
+    n_chunks = pl.cdiv(total, chunk)
+    n_full = prefix // chunk  # chunks wholly inside the prefix
     qn = q_ref[:, pl.ds(0, value_dim)]
     qp = q_ref[:, pl.ds(value_dim, rope_dim)]
     dtype = kv_ref.dtype
@@ -55,7 +62,7 @@ def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, sc
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST if dtype == jnp.float32 else None,
     )
-    cols = jnp.arange(CHUNK, dtype=jnp.int32)
+    cols = jnp.arange(chunk, dtype=jnp.int32)
 
     def attend(carry, pos, kn, kp):
         acc, m_i, l_i = carry
@@ -67,11 +74,11 @@ def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, sc
         return acc * alpha[:, None] + dot(p.astype(dtype), kn), m_new, l_i * alpha + jnp.sum(p, axis=1)
 
     def load(c):
-        start = c * CHUNK
+        start = c * chunk
         return (
             start + cols,
-            kv_ref[pl.ds(start, CHUNK), pl.ds(0, value_dim)],
-            kv_ref[pl.ds(start, CHUNK), pl.ds(value_dim, rope_dim)],
+            kv_ref[pl.ds(start, chunk), pl.ds(0, value_dim)],
+            kv_ref[pl.ds(start, chunk), pl.ds(value_dim, rope_dim)],
         )
 
     def full_chunk(c, carry):
@@ -79,7 +86,7 @@ def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, sc
 
     def tail_chunk(c, carry):
         pos, kn, kp = load(c)
-        pick = ((pos - prefix)[:, None] == depth[None, :]) & see[None, :]  # [CHUNK, Np]: the ancestor at pos
+        pick = ((pos - prefix)[:, None] == depth[None, :]) & see[None, :]  # [chunk, Np]: the ancestor at pos
         pick = pick.astype(dtype)
         in_prefix = (pos < prefix)[:, None]
         kn = jnp.where(in_prefix, kn, dot(pick, blk_ref[:, pl.ds(0, value_dim)]).astype(dtype))
@@ -138,7 +145,7 @@ def mla_attention_exact(
     see = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)))
     qr = jnp.pad(q.astype(latent_cache.dtype), ((0, 0), (0, 0), (0, rows - heads), (0, 0)))
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), value_dim=value_dim),
+        functools.partial(_kernel, scale=float(scale), value_dim=value_dim, chunk=chunk_len(dk)),
         grid=(b, n),
         in_specs=[
             pl.BlockSpec((None,), lambda i, j: (i,)),

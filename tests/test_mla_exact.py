@@ -75,11 +75,11 @@ def decode_steps(kernel, context, latents, queries, length: int, dv: int) -> lis
     return outs
 
 
-def tree_case(kernel, n: int, dtype) -> list[tuple[np.ndarray, np.ndarray]]:
+def tree_case(kernel, n: int, dtype, dk: int = 160, dv: int = 128) -> list[tuple[np.ndarray, np.ndarray]]:
     """The deepest node's ancestor chain of a random n-node tree, verified in one call with other rows beside it:
     (the chain token's output in the tree, its decode step's output) per chain token."""
     rng = np.random.default_rng(n)
-    dk, dv, prefix, length = 160, 128, 100, 192 + 64 * (n > 17)
+    prefix, length = 100, 192 + 64 * (n > 17)
     mask = random_tree_mask(rng, n)
     depth = mask.sum(-1) - 1
     chain = np.flatnonzero(mask[int(np.argmax(depth))])  # block indices of depths 0..d, ascending
@@ -104,6 +104,11 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.mark.parametrize("n", [1, 9, 17, 65])
 def test_a_tree_node_equals_its_decode_step_bitwise(n, dtype):
     assert all(same_bits(got, want) for got, want in tree_case(exact, n, dtype))
+
+
+def test_kimi_width_latents_bitwise():
+    """576-channel latents (Kimi K2), which run in shorter chunks."""
+    assert all(same_bits(got, want) for got, want in tree_case(exact, 17, jnp.bfloat16, 576, 512))
 
 
 def test_the_check_catches_the_split_kernel():
