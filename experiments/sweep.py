@@ -49,6 +49,7 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and act
 flags.DEFINE_integer(
     "compile_workers", min(8, os.cpu_count() or 1), "threads compiling all cells' programs up front (1: one by one)"
 )
+flags.DEFINE_bool("exact", None, "the target's exact (batch- and tree-invariant) numerics; default: the product's")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 flags.register_validator("axis", lambda v: bool(v) and set(v) <= set(AXES), f"--axis: values from {AXES}")
 
@@ -170,7 +171,7 @@ def main(_) -> None:
     from ddtree_jax import engine
     from ddtree_jax.api import Generator
 
-    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype))
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype), exact=FLAGS.exact)
     base, source = workload.load_prompts(gen, FLAGS.prompts, max(FLAGS.num_prompts, 1))
     config = {
         "target": FLAGS.target,
@@ -182,6 +183,7 @@ def main(_) -> None:
         "ignore_eos": FLAGS.ignore_eos,
         "temperature": 0.0,
         "dtype": FLAGS.dtype,
+        "exact": gen.exact,
         "matmul_precision": engine.matmul_precision(jnp.dtype(FLAGS.dtype)) or "default",
         "num_draft": gen.drafter.config.num_draft,
         "max_position_embeddings": gen.target_config.max_position_embeddings,

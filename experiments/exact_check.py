@@ -1,0 +1,137 @@
+"""Is speculative output bit-identical to AR whatever the batch, method and budget? (issue 34)
+
+    python -m experiments.exact_check                  # one GPU: the shipped pair in bf16, the switch on and off
+    python -m experiments.exact_check --target=T --drafter=D --num_prompts=4 --batches=1,2 --budgets=4 \\
+        --contexts=40 --max_new_tokens=8 --exact_modes=off     # CPU smoke test
+
+For each setting of the switch (`--exact_modes`: `Generator(exact=...)`), each context of `--contexts` (ragged:
+request i is cut `i * 7 % 23` tokens short of it, so every batch mixes lengths) and each batch size of
+`--batches`, the same `--num_prompts` requests run greedily as ar, dflash and ddtree at `--budgets`, in batches of
+that size. Every request's tokens are compared with its own `ar` tokens at batch 1 under the same switch:
+`rows_differ` per cell (the claim: 0 everywhere with the switch on). `tokens_per_s`: tokens generated / summed
+execution seconds of the cell's calls after one warm-up call (compilation excluded); `vs_off`: the cell's
+tokens_per_s over the same cell's with the switch off, measured in this run. Writes <out_dir>/exact_check.json
+and .md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+from absl import flags
+from tqdm import tqdm
+
+from ddtree_jax.errors import UserError, run_app
+from experiments import common, workload
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", str(workload.SHIPPED_TARGET), "target checkpoint directory")
+flags.DEFINE_string("drafter", str(workload.SHIPPED_DRAFTER), "DFlash drafter checkpoint directory")
+flags.DEFINE_string("prompts", str(workload.DEMO_PROMPTS), "held-out prompts (JSON Lines)")
+flags.DEFINE_list("exact_modes", ["off", "on"], "settings of the exact switch to run, in order (on, off)")
+flags.DEFINE_list("contexts", ["60", "1024"], "prompt lengths before the ragged cut")
+flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes")
+flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64"], "DDTree budgets")
+flags.DEFINE_integer("num_prompts", 32, "requests (a multiple of every batch size)")
+flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per request (stop tokens ignored)")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and activations")
+flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling the programs up front")
+flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
+
+COLUMNS = ["exact", "context", "batch", "method", "budget", "rows_differ", "first_divergence", "tokens_per_s"]
+COLUMNS += ["vs_off"]
+
+
+def requests(gen, context: int) -> list[list[int]]:
+    """`--num_prompts` held-out prompts of `context` tokens, request i cut i * 7 % 23 tokens short."""
+    base, _ = workload.load_prompts(gen, FLAGS.prompts, FLAGS.num_prompts)
+    rows = workload.at_length(base, context, FLAGS.num_prompts)
+    return [r[: len(r) - i * 7 % 23] for i, r in enumerate(rows)]
+
+
+def first_divergence(ref: list[list[int]], out: list[list[int]]) -> int | None:
+    """The earliest token index where any request leaves its reference (None: none does)."""
+    found = [
+        next(k for k in range(len(r) + 1) if k in (len(r), len(o)) or r[k] != o[k])
+        for r, o in zip(ref, out, strict=True)
+        if r != o
+    ]
+    return min(found) if found else None
+
+
+def run_cell(gen, rows: list[list[int]], batch: int, kw: dict) -> tuple[list[list[int]], float]:
+    """(tokens per request, tokens/s over the execution time) of the requests run `batch` at a time, after one
+    warm-up call."""
+    gen.generate(rows[:batch], **kw)
+    tokens, wall, generated = [], 0.0, 0
+    for i in range(0, len(rows), batch):
+        res = gen.generate(rows[i : i + batch], **kw)
+        tokens += res.tokens
+        wall += res.wall_s
+        generated += sum(len(t) for t in res.tokens)
+    return tokens, generated / wall
+
+
+def main(_) -> None:
+    from ddtree_jax.api import Generator
+
+    batches = sorted(int(b) for b in FLAGS.batches)
+    if batches[0] != 1 or any(FLAGS.num_prompts % b for b in batches):
+        raise UserError(f"--batches {batches} must start at 1 and divide --num_prompts {FLAGS.num_prompts}")
+    modes = {"on": True, "off": False}
+    if bad := [m for m in FLAGS.exact_modes if m not in modes]:
+        raise UserError(f"--exact_modes {bad}: each is on or off")
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype))
+    methods = [("ar", 1), ("dflash", gen.drafter.config.num_draft)] + [("ddtree", int(b)) for b in FLAGS.budgets]
+    contexts = {int(c): requests(gen, int(c)) for c in FLAGS.contexts}
+    kws = {
+        (m, b): {"method": m, "budget": b, "max_new_tokens": FLAGS.max_new_tokens, "ignore_eos": True}
+        for m, b in methods
+    }
+    meta = common.metadata()
+    records, rate = [], {}
+    for mode in FLAGS.exact_modes:
+        gen.exact = modes[mode]
+        specs = [
+            gen.spec_for(rows[:batch], temperature=0.0, **kw)
+            for rows in contexts.values()
+            for batch in batches
+            for kw in kws.values()
+        ]
+        print(
+            f"exact={mode}: compiled {len(set(specs))} programs in {gen.precompile(specs, FLAGS.compile_workers):.1f}s"
+        )
+        cells = [(c, b, mb) for c in contexts for b in batches for mb in methods]
+        for context, batch, (method, budget) in tqdm(cells, desc=f"exact={mode}"):
+            rows = contexts[context]
+            tokens, rate[mode, context, batch, method, budget] = run_cell(gen, rows, batch, kws[method, budget])
+            if (method, batch) == ("ar", 1):
+                reference = tokens
+            differ = sum(a != b for a, b in zip(reference, tokens, strict=True))
+            off = rate.get(("off", context, batch, method, budget))
+            records.append(
+                {
+                    "exact": mode,
+                    "context": context,
+                    "batch": batch,
+                    "method": method,
+                    "budget": budget,
+                    "rows_differ": differ,
+                    "first_divergence": first_divergence(reference, tokens),
+                    "tokens_per_s": rate[mode, context, batch, method, budget],
+                    "vs_off": rate[mode, context, batch, method, budget] / off if off else None,
+                    "requests": len(rows),
+                    "max_new_tokens": FLAGS.max_new_tokens,
+                    "dtype": FLAGS.dtype,
+                    "target": FLAGS.target,
+                    "drafter": FLAGS.drafter,
+                    **meta,
+                }
+            )
+            common.write_results("exact_check", records, COLUMNS, FLAGS.out_dir or None)
+    print(common.markdown_table(records, COLUMNS))
+
+
+if __name__ == "__main__":
+    run_app(main)
