@@ -1,13 +1,17 @@
 """The one dispatch point between models and kernels, and the kernel selection as one value.
 
-`Kernels` says which implementation each op runs: `moe_swiglu`, `mla_attention`, `build_tree` and
-`drafter_attention` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference elsewhere), "reference",
-"pallas" or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a CPU). For MLA attention in
+`Kernels` says which implementation each op runs: `moe_swiglu`, `mla_attention`, `build_tree`, `drafter_attention`
+and `matmul` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference elsewhere), "reference", "pallas"
+or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a CPU). For MLA attention in
 Pallas mode `mla_kernel` picks the Pallas-Triton kernel (`mla_attention.py`, any head dim) or the Mosaic GPU one
 (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or "auto" (Mosaic on a Hopper
 GPU for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic
 kernel's tiling (None: the default `MosaicMLAConfig()`), and `topk_chunk` the row length of the chunk-wise exact top-k
 of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
+
+`exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `head_matmul`) run the
+row-invariant kernels of `exact_matmul.py` under the `matmul` mode, and the MoE a fixed tile and a fixed-order
+combine. Without `exact` the `matmul` mode is unused: those products are the plain `jnp.dot` / `jnp.einsum`.
 
 A `Kernels` value is frozen and hashable: the engine carries it in its `GenSpec`, so it is part of every compiled
 program's key, and passes it down to these functions; nothing here reads a global at trace time. The environment
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from absl import logging
+from jax.typing import DTypeLike
 
 from pallas_kernels import reference
 
@@ -34,7 +39,7 @@ if TYPE_CHECKING:
     from pallas_kernels.mla_mosaic import MosaicMLAConfig
 
 MODES = ("auto", "reference", "pallas", "interpret")
-OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention")
+OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "matmul")
 MLA_KERNELS = ("auto", "triton", "mosaic")
 MOSAIC_MIN_ROWS = 64
 TOPK_CHUNK = 512
@@ -52,6 +57,7 @@ class Kernels:
     mla_attention: str = "auto"
     build_tree: str = "auto"
     drafter_attention: str = "auto"
+    matmul: str = "auto"
     mla_kernel: str = "auto"
     mla_tiling: MosaicMLAConfig | None = None
     topk_chunk: int = TOPK_CHUNK
@@ -145,14 +151,46 @@ def _choose(op: str, mode: str, available: bool, unsupported: str = "") -> str:
 
 
 def moe_swiglu(kernels: Kernels, x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s):
-    """Routed-expert SwiGLU; see `reference.moe_swiglu_reference` for shapes and semantics."""
+    """Routed-expert SwiGLU; see `reference.moe_swiglu_reference` for shapes and semantics. Under `kernels.exact`
+    the kernel runs one fixed tile (`int4_moe.EXACT_BT`) and both sum a token's k expert outputs in rank order."""
     unsupported = "" if x.dtype == jnp.bfloat16 else f"the Pallas MoE kernel takes bf16 activations, not {x.dtype}"
     impl = _choose("moe_swiglu", kernels.moe_swiglu, _moe_kernel() is not None, unsupported)
+    args = (x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s)
     if impl != "reference":
-        return _moe_kernel()(
-            x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s, interpret=impl == "interpret"
-        )
-    return reference.moe_swiglu_reference(x, topk_ids, topk_weights, gate_up_q, gate_up_s, down_q, down_s)
+        return _moe_kernel()(*args, interpret=impl == "interpret", exact=kernels.exact)
+    return reference.moe_swiglu_reference(*args, exact=kernels.exact)
+
+
+def matmul(kernels: Kernels, x: jax.Array, w: jax.Array, preferred_element_type: DTypeLike | None = None) -> jax.Array:
+    """x `[..., K]` @ w `[K, N]` -> `[..., N]`: `jnp.dot(x, w, preferred_element_type=...)`; under `kernels.exact`
+    the row-invariant kernel (`exact_matmul.matmul_pallas`, f32 accumulation) as the `matmul` mode selects, its
+    reference being that same `jnp.dot`."""
+    if kernels.exact and (impl := _choose("matmul", kernels.matmul, True)) != "reference":
+        from pallas_kernels.exact_matmul import matmul_pallas
+
+        out_dtype = preferred_element_type or jnp.result_type(x, w)
+        return matmul_pallas(x, w, out_dtype, interpret=impl == "interpret")
+    return jnp.dot(x, w, preferred_element_type=preferred_element_type)
+
+
+def head_matmul(
+    kernels: Kernels,
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    transposed: bool = False,
+    preferred_element_type: DTypeLike | None = None,
+) -> jax.Array:
+    """One product per head: x `[..., heads, K]` with w `[heads, K, N]` (transposed: `[heads, N, K]`) ->
+    `[..., heads, N]`, `jnp.einsum` of the two; under `kernels.exact` the row-invariant kernel
+    (`exact_matmul.head_matmul_pallas`) as the `matmul` mode selects, its reference being that same einsum."""
+    if kernels.exact and (impl := _choose("matmul", kernels.matmul, True)) != "reference":
+        from pallas_kernels.exact_matmul import head_matmul_pallas
+
+        out_dtype = preferred_element_type or jnp.result_type(x, w)
+        return head_matmul_pallas(x, w, out_dtype, transposed=transposed, interpret=impl == "interpret")
+    spec = "...hk,hnk->...hn" if transposed else "...hk,hkn->...hn"
+    return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
 
 
 def mla_attention(kernels: Kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim=512):

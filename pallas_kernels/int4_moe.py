@@ -16,6 +16,10 @@ Plan (decode: few tokens per expert, bound by reading the expert weights from HB
    group from SMEM, transposed). Epilogue: silu(gate) * up -> hT `[I, NT*bt]` bf16 via SMEM + TMA.
 3. Kernel B (`down_pallas`, grid tiles x H/64): the same scheme over K = I -> yT `[H, NT*bt]` f32.
 4. XLA (`combine`): out[t] = sum_j w[t, j] * y[row(t, j)] in f32, cast to x.dtype.
+
+Exact mode (`exact=True`, the batch-invariant numerics of docs/exactness.md): every tile has EXACT_BT rows whatever
+T is, so a token's row goes through the same wgmma sequence in a call of 1 token as of 1000, and the combine sums a
+token's k expert outputs in rank order (`reference.combine_in_rank_order`) instead of an einsum over k.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.reference import combine_in_rank_order
+
 GROUP = 32  # quantization group along the input dim
 BLOCK_N = 64  # weight rows per warpgroup (wgmma M)
+EXACT_BT = 8  # tokens per tile in exact mode: the smallest wgmma N for bf16, and choose_bt's choice at decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,17 +264,25 @@ def route(x: jax.Array, topk_ids: jax.Array, num_experts: int, cfg: Config) -> t
     return grouping, _group_major(x_pad[jnp.minimum(pair_of_row // k, t)])
 
 
-def combine(y_t: jax.Array, grouping: Grouping, topk_weights: jax.Array, dtype) -> jax.Array:
-    """out[t] = sum_j w[t, j] * y[row(t, j)] in f32 -> `[T, H]` in dtype."""
+def combine(y_t: jax.Array, grouping: Grouping, topk_weights: jax.Array, dtype, exact: bool = False) -> jax.Array:
+    """out[t] = sum_j w[t, j] * y[row(t, j)] in f32 -> `[T, H]` in dtype; exact: summed in rank order j = 0..k-1
+    (`combine_in_rank_order`), else an einsum over k."""
     t, k = topk_weights.shape
     y = y_t.T[grouping.row_of_pair].reshape(t, k, -1)
+    if exact:
+        return combine_in_rank_order(y, topk_weights).astype(dtype)
     return jnp.einsum("tkh,tk->th", y, topk_weights.astype(jnp.float32)).astype(dtype)
 
 
-def resolve_config(config: Config | None, num_tokens: int, k: int, num_experts: int) -> Config:
-    """`config` (default `Config()`) with bt filled in by `choose_bt` when unset."""
+def resolve_config(config: Config | None, num_tokens: int, k: int, num_experts: int, exact: bool = False) -> Config:
+    """`config` (default `Config()`) with bt filled in when unset: EXACT_BT under `exact` (a config with another bt
+    is a ValueError), else by `choose_bt`."""
     cfg = config or Config()
-    return cfg if cfg.bt else dataclasses.replace(cfg, bt=choose_bt(num_tokens, k, num_experts))
+    if exact and cfg.bt not in (None, EXACT_BT):
+        raise ValueError(f"exact mode runs tiles of {EXACT_BT} tokens, not {cfg.bt}")
+    if cfg.bt:
+        return cfg
+    return dataclasses.replace(cfg, bt=EXACT_BT if exact else choose_bt(num_tokens, k, num_experts))
 
 
 def _check_inputs(x, gate_up_q, gate_up_s, down_q, down_s, block_k: int) -> None:
@@ -291,7 +306,7 @@ def _check_inputs(x, gate_up_q, gate_up_s, down_q, down_s, block_k: int) -> None
             raise ValueError(f"H={hidden} and I={inter} must be multiples of {BLOCK_N} and of min({block_k}, dim)")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "exact"))
 def moe_swiglu_pallas(
     x,
     topk_ids,
@@ -303,20 +318,21 @@ def moe_swiglu_pallas(
     *,
     interpret=False,
     config: Config | None = None,
+    exact: bool = False,
 ):
     """Routed-expert SwiGLU with the semantics of `reference.moe_swiglu_reference` -> `[T, H]` in x.dtype.
 
     x `[T, H]` bf16, topk_ids `[T, k]` int32, topk_weights `[T, k]` f32, gate_up_q int4 `[E, 2I, H]`,
     down_q int4 `[E, H, I]`; gate_up_s `[E, H/32, 2I]` and down_s `[E, I/32, H]` bf16 (group-major scales).
     interpret=True runs the Mosaic GPU kernels in GPU interpret mode (CPU); config: tiling (default: `Config()`,
-    bt by `choose_bt`).
+    bt by `choose_bt`); exact: tiles of EXACT_BT tokens and the rank-order combine (a token's row independent of T).
     """
     t, k = topk_ids.shape
     num_experts = gate_up_q.shape[0]
-    cfg = resolve_config(config, t, k, num_experts)
+    cfg = resolve_config(config, t, k, num_experts, exact)
     _check_inputs(x, gate_up_q, gate_up_s, down_q, down_s, cfg.block_k)
     interpret = plgpu.InterpretGPUParams() if interpret else None
     grouping, xs = route(x, topk_ids, num_experts, cfg)
     h_t = gate_up_pallas(cfg, grouping, xs, gate_up_q, gate_up_s, interpret)
     y_t = down_pallas(cfg, grouping, h_t, down_q, down_s, interpret)
-    return combine(y_t, grouping, topk_weights, x.dtype)
+    return combine(y_t, grouping, topk_weights, x.dtype, exact)

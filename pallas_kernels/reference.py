@@ -27,6 +27,8 @@ def moe_swiglu_reference(
     gate_up_s: jax.Array,
     down_q: jax.Array,
     down_s: jax.Array,
+    *,
+    exact: bool = False,
 ) -> jax.Array:
     """Routed-expert SwiGLU of one MoE layer with INT4 group-quantized experts.
 
@@ -37,12 +39,32 @@ def moe_swiglu_reference(
 
     Reads only the distinct experts that received tokens: a scan over min(T*k, E) expert slots, each slot
     dequantizing one expert and applying it to all tokens with that token's combine weight (0 if unrouted).
+    exact: the scan keeps each pair's expert output `[T, k, H]` and `combine_in_rank_order` sums them.
     """
     t, k = topk_ids.shape
     n_experts = gate_up_q.shape[0]
     inter = down_q.shape[-1]
     slots = min(t * k, n_experts)
     uniq = jnp.unique(topk_ids.reshape(-1), size=slots, fill_value=-1)
+
+    def expert_output(e: jax.Array) -> jax.Array:
+        """Expert e (-1: a padding slot, computed as expert 0) on every token -> `[T, H]` f32."""
+        e_safe = jnp.maximum(e, 0)
+        wgu = dequantize_int4(gate_up_q[e_safe], gate_up_s[e_safe], x.dtype)  # [2I, H]
+        wd = dequantize_int4(down_q[e_safe], down_s[e_safe], x.dtype)  # [H, I]
+        gu = jnp.einsum("th,nh->tn", x, wgu, preferred_element_type=jnp.float32)
+        h = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(x.dtype)
+        return jnp.einsum("ti,hi->th", h, wd, preferred_element_type=jnp.float32)
+
+    if exact:
+
+        def pair_outputs(y_pairs, e):
+            routed = (topk_ids == e)[:, :, None]  # [T, k, 1]: the pairs routed to e (none for a padding slot)
+            return jnp.where(routed, expert_output(e)[:, None, :], y_pairs), None
+
+        y_pairs, _ = jax.lax.scan(pair_outputs, jnp.zeros((t, k, x.shape[1]), jnp.float32), uniq)
+        return combine_in_rank_order(y_pairs, topk_weights).astype(x.dtype)
+
     # combine[s, t]: weight of the expert in slot s for token t (0 when not routed / padding slot).
     combine = jnp.sum(
         jnp.where(topk_ids[None, :, :] == uniq[:, None, None], topk_weights[None].astype(jnp.float32), 0.0),
@@ -51,16 +73,21 @@ def moe_swiglu_reference(
 
     def one_expert(acc, slot):
         e, c = slot
-        e_safe = jnp.maximum(e, 0)
-        wgu = dequantize_int4(gate_up_q[e_safe], gate_up_s[e_safe], x.dtype)  # [2I, H]
-        wd = dequantize_int4(down_q[e_safe], down_s[e_safe], x.dtype)  # [H, I]
-        gu = jnp.einsum("th,nh->tn", x, wgu, preferred_element_type=jnp.float32)
-        h = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(x.dtype)
-        y = jnp.einsum("ti,hi->th", h, wd, preferred_element_type=jnp.float32)
-        return acc + y * c[:, None], None
+        return acc + expert_output(e) * c[:, None], None
 
     acc, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), (uniq, combine))
     return acc.astype(x.dtype)
+
+
+def combine_in_rank_order(y_pairs: jax.Array, topk_weights: jax.Array) -> jax.Array:
+    """The MoE combine in a fixed order: y_pairs `[T, k, H]` f32 (the expert output of pair (t, j)), topk_weights
+    `[T, k]` -> `[T, H]` f32, sum_j w[t, j] * y[t, j] as k elementwise multiply-adds in f32, j = 0..k-1 (the
+    router's rank order). No reduction op: a token's sum is computed the same way whatever T is."""
+    w = topk_weights.astype(jnp.float32)
+    out = w[:, 0, None] * y_pairs[:, 0]
+    for j in range(1, y_pairs.shape[1]):
+        out = out + w[:, j, None] * y_pairs[:, j]
+    return out
 
 
 def mla_attention_reference(

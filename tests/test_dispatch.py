@@ -83,7 +83,7 @@ def test_environment_chooses_the_default_selection():
     assert Kernels.from_env(env) == Kernels(
         **dict.fromkeys(dispatch.OPS, "reference"), mla_kernel="triton", topk_chunk=0
     )
-    assert dispatch.OPS == ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention")
+    assert dispatch.OPS == ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "matmul")
     assert Kernels.from_env({}) == Kernels() and hash(Kernels.from_env({})) == hash(Kernels())
 
 
@@ -153,3 +153,43 @@ def test_interpret_mode_reaches_the_mosaic_kernel(monkeypatch):
     out = dispatch.mla_attention(kernels, q, cache, prefix, mask, SCALE, DV)
     assert calls == [{"interpret": True}]
     assert rel_err(out, reference(q, cache, prefix, mask)) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "kernels,backend,want",
+    [
+        (Kernels(), "gpu", None),  # exact off: the plain jnp.dot whatever the mode and backend
+        (Kernels(matmul="pallas"), "gpu", None),
+        (Kernels(exact=True), "gpu", {"interpret": False}),
+        (Kernels(exact=True), "cpu", None),  # auto off a GPU: the reference, jnp.dot
+        (Kernels(exact=True, matmul="interpret"), "cpu", {"interpret": True}),
+        (Kernels(exact=True, matmul="reference"), "gpu", None),
+    ],
+)
+def test_exact_products_run_the_kernel_the_matmul_mode_selects(monkeypatch, kernels, backend, want):
+    from pallas_kernels import exact_matmul
+
+    calls = []
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
+    for name in ("matmul_pallas", "head_matmul_pallas"):
+        monkeypatch.setattr(exact_matmul, name, lambda *a, interpret, calls=calls, **k: calls.append(interpret))
+    x, w, hw = jnp.ones((3, 32)), jnp.ones((32, 16)), jnp.ones((2, 16, 16))
+    out = dispatch.matmul(kernels, x, w)
+    out_h = dispatch.head_matmul(kernels, x.reshape(3, 2, 16), hw, transposed=True)
+    if want is None:
+        assert calls == [] and out.shape == (3, 16) and out_h.shape == (3, 2, 16)
+    else:
+        assert calls == [want["interpret"]] * 2
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_moe_passes_exact_to_the_kernel_and_the_reference(monkeypatch, exact):
+    from pallas_kernels import reference
+
+    seen = []
+    monkeypatch.setattr(dispatch, "_moe_kernel", lambda: lambda *a, interpret, exact: seen.append(("kernel", exact)))
+    monkeypatch.setattr(reference, "moe_swiglu_reference", lambda *a, exact: seen.append(("reference", exact)))
+    args = [jnp.ones((1, 64), jnp.bfloat16)] + [None] * 6
+    dispatch.moe_swiglu(Kernels(exact=exact, moe_swiglu="interpret"), *args)
+    dispatch.moe_swiglu(Kernels(exact=exact, moe_swiglu="reference"), *args)
+    assert seen == [("kernel", exact), ("reference", exact)]

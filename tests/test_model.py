@@ -255,3 +255,24 @@ def test_full_size_model_builds_abstractly(spec_configs):
     experts = state["layers"][1]["mlp"]["experts"]
     assert experts["gate_up_q"].shape == (384, 4096, 7168) and experts["gate_up_q"].dtype == jnp.int4
     assert experts["down_s"].shape == (384, 64, 7168)  # group-major scales [E, I/32, H]
+
+
+@pytest.mark.parametrize("quantized,dtype", [(True, jnp.bfloat16), (False, jnp.float32)])
+def test_exact_kernels_give_the_same_model(quantized, dtype):
+    """Kernels(exact=True) with every op in interpret mode (row-invariant products, the MoE kernel's fixed tile and
+    rank-order combine, or the float experts' per-expert products): finite logits close to exact=False's."""
+    from pallas_kernels.dispatch import Kernels
+
+    cfg = tiny_kimi_config(quantized=quantized, moe_intermediate_size=64)  # the MoE kernel takes I = 64k
+    m = KimiForCausalLM(cfg, rngs=nnx.Rngs(np.random.randint(1 << 30)), dtype=dtype)
+    b, n = 2, 5
+    tokens = jnp.asarray(np.random.randint(0, cfg.vocab_size, (b, n)))
+    positions = jnp.broadcast_to(jnp.arange(n), (b, n))
+
+    def logits(kernels: Kernels) -> np.ndarray:
+        out = m(tokens, positions, m.init_cache(b, 64), jnp.zeros((b,), jnp.int32), kernels=kernels)
+        return np.asarray(m.logits(out.hidden, kernels), np.float64)
+
+    exact = logits(Kernels(exact=True).with_mode("interpret"))
+    assert np.isfinite(exact).all()
+    assert rel(exact, logits(Kernels().with_mode("interpret"))) < (1e-2 if dtype == jnp.bfloat16 else 1e-5)

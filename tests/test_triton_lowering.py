@@ -10,6 +10,7 @@ import pytest
 
 from experiments.mla_common import abstract_inputs, lower_for_h200
 from pallas_kernels.drafter_attention import drafter_attention_pallas
+from pallas_kernels.exact_matmul import head_matmul_pallas, matmul_pallas
 from pallas_kernels.mla_attention import mla_attention_pallas
 from pallas_kernels.tree_build import build_tree_pallas
 
@@ -89,5 +90,44 @@ def test_drafter_attention_kernel_multiplies_float32_in_float32(dtype):
     """As the MLA kernel: HIGHEST on f32 operands, the default on bf16 ones."""
     with jax.default_matmul_precision("default"):
         found = dot_precisions(jax.make_jaxpr(drafter)(*drafter_inputs(2, 256, dtype)).jaxpr)
+    highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
+    assert found and (all(highest) if dtype == jnp.float32 else not any(highest))
+
+
+# K2.6's dense products: q_a_proj, kv_a_proj (576 columns), the f32 router (384 experts), lm_head.
+MATMULS = [
+    ((7168, 1536), jnp.bfloat16),
+    ((7168, 576), jnp.bfloat16),
+    ((7168, 384), jnp.float32),
+    ((7168, 163840), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 68])
+@pytest.mark.parametrize(("weight", "dtype"), MATMULS)
+def test_exact_matmul_lowers(rows, weight, dtype):
+    text = lower_for_h200(
+        lambda x, w: matmul_pallas(x, w, jnp.float32), spec((rows, weight[0]), dtype), spec(weight, dtype)
+    )
+    assert "__gpu$xla.gpu.triton" in text and "exact_matmul" in text
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_exact_head_matmul_lowers(transposed):
+    """K2.6's absorbed MLA products: w_uk `[64, 128, 512]` on q_nope, w_uv `[64, 128, 512]` (transposed) on the
+    attention output, for a 17-node verify of 4 rows."""
+    k = 512 if transposed else 128
+    x = spec((4, 17, 64, k), jnp.bfloat16)
+    fn = lambda x, w: head_matmul_pallas(x, w, jnp.float32, transposed=transposed)
+    text = lower_for_h200(fn, x, spec((64, 128, 512), jnp.bfloat16))
+    assert "__gpu$xla.gpu.triton" in text and "exact_matmul" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_exact_matmul_multiplies_float32_in_float32(dtype):
+    """As the MLA kernel: HIGHEST on f32 operands (the router's product), the default on bf16 ones."""
+    product = jax.make_jaxpr(lambda x, w: matmul_pallas(x, w, jnp.float32))
+    with jax.default_matmul_precision("default"):
+        found = dot_precisions(product(spec((3, 200), dtype), spec((200, 97), dtype)).jaxpr)
     highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
     assert found and (all(highest) if dtype == jnp.float32 else not any(highest))

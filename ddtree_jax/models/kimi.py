@@ -7,6 +7,9 @@ to what `block_mask[b, i, j]` allows (causal for prefill/decode, ancestors-or-se
 
 Parameters are stored `[in, out]` (the transpose of HF's `[out, in]`). Each module declares its weights once, in
 `param_specs()` (shape, dtype, logical axes, HF name; see params.py); `weight_table` collects them for a config.
+
+Every dense product of the target goes through `dispatch.matmul` / `dispatch.head_matmul` with the program's
+`Kernels`: plain `jnp.dot` / `jnp.einsum`, or under `Kernels.exact` the row-invariant kernels (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from ddtree_jax.models.params import (
     init_params,
     param_table,
 )
+from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
+from pallas_kernels.reference import combine_in_rank_order
 
 LatentCache = list[jax.Array]  # one `[B, L, latent_dim]` array per layer: [normed c_kv (512) | roped k_pe (64)]
 
@@ -80,18 +85,19 @@ class MLA(nnx.Module):
     def _inv_freq(self):
         return yarn_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
-    def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def queries(self, x: jax.Array, positions: jax.Array, kernels: Kernels) -> tuple[jax.Array, jax.Array]:
         """x `[B, N, H]` -> q_nope `[B, N, Hq, P]`, roped q_pe `[B, N, Hq, R]`."""
         c = self.cfg
-        cq = rms_norm(jnp.dot(x, self.q_a_proj[...]), self.q_a_layernorm[...], c.latent_norm_eps)
-        q = jnp.dot(cq, self.q_b_proj[...]).reshape(*x.shape[:2], c.num_attention_heads, c.qk_head_dim)
+        cq = rms_norm(dispatch.matmul(kernels, x, self.q_a_proj[...]), self.q_a_layernorm[...], c.latent_norm_eps)
+        q = dispatch.matmul(kernels, cq, self.q_b_proj[...])
+        q = q.reshape(*x.shape[:2], c.num_attention_heads, c.qk_head_dim)
         q_pe = rope_interleaved(q[..., c.qk_nope_head_dim :], positions, self._inv_freq())
         return q[..., : c.qk_nope_head_dim], q_pe
 
-    def latents(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def latents(self, x: jax.Array, positions: jax.Array, kernels: Kernels) -> jax.Array:
         """x `[B, N, H]` -> cache entries `[B, N, 576]` = [RMSNorm(c_kv) | RoPE(k_pe)]."""
         c = self.cfg
-        kv = jnp.dot(x, self.kv_a_proj_with_mqa[...])
+        kv = dispatch.matmul(kernels, x, self.kv_a_proj_with_mqa[...])
         c_kv = rms_norm(kv[..., : c.kv_lora_rank], self.kv_a_layernorm[...], c.latent_norm_eps)
         k_pe = rope_interleaved(kv[..., c.kv_lora_rank :], positions, self._inv_freq())
         return jnp.concatenate([c_kv, k_pe], axis=-1)
@@ -110,12 +116,13 @@ class MLA(nnx.Module):
         """x `[B, N, H]`, cache `[B, L, 576]` -> (y `[B, N, H]`, cache with the N new entries written).
 
         naive=True computes attention in the per-head (prefill) form over the new block only; it requires an
-        empty prefix (cache_len == 0), which the caller guarantees. `kernels` selects the attention kernel.
+        empty prefix (cache_len == 0), which the caller guarantees. `kernels` selects the attention kernel and the
+        products' (`dispatch.matmul`).
         """
         c = self.cfg
         with jax.named_scope("prologue"):  # named scopes: experiments/layer_profile.py attributes kernels by them
-            q_nope, q_pe = self.queries(x, positions)
-            lat = self.latents(x, positions)
+            q_nope, q_pe = self.queries(x, positions, kernels)
+            lat = self.latents(x, positions, kernels)
         with jax.named_scope("cache_write"):
             cache = write_block(cache, lat, cache_len)
         if naive:
@@ -123,17 +130,19 @@ class MLA(nnx.Module):
                 o = self._naive_attention(q_nope, q_pe, lat, block_mask)
         else:
             with jax.named_scope("prologue"):
-                ql = jnp.einsum("bnhp,hpc->bnhc", q_nope, self.w_uk[...])
+                ql = dispatch.head_matmul(kernels, q_nope, self.w_uk[...])  # [B, N, Hq, C]
                 q_abs = jnp.concatenate([ql, q_pe], axis=-1)
             with jax.named_scope("attention"):
                 o_lat = sharding.mla_attention(
                     kernels, q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank
                 )
             with jax.named_scope("o_proj"):
-                o = jnp.einsum("bnhc,hvc->bnhv", o_lat, self.w_uv[...], preferred_element_type=jnp.float32)
+                w_uv = self.w_uv[...]  # [Hq, V, C]
+                o = dispatch.head_matmul(kernels, o_lat, w_uv, transposed=True, preferred_element_type=jnp.float32)
         with jax.named_scope("o_proj"):
             o = o.astype(x.dtype).reshape(*x.shape[:2], -1)
-            return jnp.dot(o, self.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype), cache
+            o = dispatch.matmul(kernels, o, self.o_proj[...], preferred_element_type=jnp.float32)
+            return o.astype(x.dtype), cache
 
     def _naive_attention(self, q_nope, q_pe, lat, block_mask) -> jax.Array:
         """Per-head MLA over the block itself (kimi_k2.md §3.2) -> `[B, N, Hq, V]` f32."""
@@ -164,9 +173,12 @@ class DenseMLP(nnx.Module):
         self.hidden, self.inner, self.param_dtype = hidden, inner, dtype
         init_params(self, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, kernels: Kernels | None = None) -> jax.Array:
+        """x `[..., H]` -> `[..., H]`. kernels: the target's selection, its products through `dispatch.matmul`;
+        None: plain `jnp.dot` (the drafter's FFN)."""
+        matmul = jnp.dot if kernels is None else functools.partial(dispatch.matmul, kernels)
         with jax.named_scope("ffn"):
-            return swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+            return swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], matmul)
 
 
 class Int4Experts(nnx.Module):
@@ -225,8 +237,16 @@ class DenseExperts(nnx.Module):
         init_params(self, rngs)
 
     def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, kernels: Kernels) -> jax.Array:
-        """As `Int4Experts`; plain JAX whatever `kernels` selects."""
+        """As `Int4Experts`; plain JAX, or under `kernels.exact` every expert's products through
+        `dispatch.head_matmul` (experts as heads) and a token's k outputs summed in rank order."""
         n, _, two_i = self.gate_up.shape
+        if kernels.exact:
+            xe = jnp.broadcast_to(x[:, None, :], (x.shape[0], n, x.shape[1]))  # [T, E, H]
+            gu = dispatch.head_matmul(kernels, xe, self.gate_up[...], preferred_element_type=jnp.float32)
+            h = (jax.nn.silu(gu[..., : two_i // 2]) * gu[..., two_i // 2 :]).astype(x.dtype)  # [T, E, I]
+            y = dispatch.head_matmul(kernels, h, self.down[...], preferred_element_type=jnp.float32)  # [T, E, H]
+            y_pairs = jnp.take_along_axis(y, topk_ids[:, :, None], axis=1)  # [T, k, H]
+            return combine_in_rank_order(y_pairs, topk_weights).astype(x.dtype)
         combine = jnp.zeros((x.shape[0], n), jnp.float32)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], topk_ids].add(topk_weights.astype(jnp.float32))
         gu = jnp.einsum("th,ehn->etn", x, self.gate_up[...], preferred_element_type=jnp.float32)
@@ -264,10 +284,12 @@ class MoE(nnx.Module):
             DenseMLP(h, i * cfg.n_shared_experts, rngs=rngs, dtype=dtype) if cfg.n_shared_experts else None
         )
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x `[T, H]` -> (topk_ids `[T, k]` int32, topk_weights `[T, k]` f32)."""
+    def route(self, x: jax.Array, kernels: Kernels | None = None) -> tuple[jax.Array, jax.Array]:
+        """x `[T, H]` -> (topk_ids `[T, k]` int32, topk_weights `[T, k]` f32); kernels: the selection of the router's
+        f32 product (None: `Kernels.from_env()`)."""
         c = self.cfg
-        logits = jnp.dot(x.astype(jnp.float32), self.gate[...].astype(jnp.float32))
+        kernels = Kernels.from_env() if kernels is None else kernels
+        logits = dispatch.matmul(kernels, x.astype(jnp.float32), self.gate[...].astype(jnp.float32))
         scores = jax.nn.sigmoid(logits)
         select = scores + self.e_score_correction_bias[...]
         if c.n_group > 1:
@@ -286,7 +308,7 @@ class MoE(nnx.Module):
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
         with jax.named_scope("router"):
-            ids, w = self.route(xt)
+            ids, w = self.route(xt, kernels)
         if self.record_load:
             self.sow(
                 nnx.Intermediate,
@@ -297,7 +319,7 @@ class MoE(nnx.Module):
             y = self.experts(xt, ids, w, kernels)
         if self.shared_experts is not None:
             with jax.named_scope("shared_expert"):
-                y = y + self.shared_experts(xt)
+                y = y + self.shared_experts(xt, kernels)
         return y.reshape(shape)
 
 
@@ -333,7 +355,7 @@ class DecoderLayer(nnx.Module):
         )
         h = h + a
         x = rms_norm(h, self.post_attention_layernorm[...], self.eps)
-        h = h + (self.mlp(x, kernels) if isinstance(self.mlp, MoE) else self.mlp(x))
+        h = h + self.mlp(x, kernels)
         return h, cache
 
 
@@ -383,10 +405,12 @@ class KimiForCausalLM(nnx.Module):
     def embed(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """Final-normed hidden `[..., H]` -> f32 logits `[..., V]`."""
+    def logits(self, hidden: jax.Array, kernels: Kernels | None = None) -> jax.Array:
+        """Final-normed hidden `[..., H]` -> f32 logits `[..., V]`; kernels: the selection of the lm_head product
+        (None: `Kernels.from_env()`)."""
+        kernels = Kernels.from_env() if kernels is None else kernels
         with jax.named_scope("lm_head"):
-            return jnp.dot(hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+            return dispatch.matmul(kernels, hidden, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +70,15 @@ def rope_half(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, amplitud
     return out.astype(x.dtype)
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """down(silu(x @ gate) * (x @ up)); weights `[in, out]`, f32 accumulation, result in x.dtype."""
-    g = jnp.dot(x, gate, preferred_element_type=jnp.float32)
-    u = jnp.dot(x, up, preferred_element_type=jnp.float32)
+def swiglu(
+    x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, matmul: Callable[..., jax.Array] = jnp.dot
+) -> jax.Array:
+    """down(silu(x @ gate) * (x @ up)); weights `[in, out]`, f32 accumulation, result in x.dtype. `matmul(a, b,
+    preferred_element_type=)` computes the three products (default `jnp.dot`)."""
+    g = matmul(x, gate, preferred_element_type=jnp.float32)
+    u = matmul(x, up, preferred_element_type=jnp.float32)
     h = (jax.nn.silu(g) * u).astype(x.dtype)
-    return jnp.dot(h, down, preferred_element_type=jnp.float32).astype(x.dtype)
+    return matmul(h, down, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def causal_mask(batch: int, n: int) -> jax.Array:

@@ -1,0 +1,150 @@
+"""Pallas-Triton GPU matmuls whose result for a row does not depend on how many rows share the call.
+
+`matmul_pallas`: x `[M, K]` @ w `[K, N]`; `head_matmul_pallas`: one such product per head, x `[M, heads, K]` with
+w `[heads, K, N]` or `[heads, N, K]` (MLA's absorbed w_uk / w_uv einsums). Both accumulate in f32. The invariance:
+
+* Every program computes a `[BLOCK_M, block_n]` output tile; BLOCK_M is fixed and (block_n, block_k) come from
+  (K, N, dtype) alone (`tiling`), never from M, and M only sets the number of row tiles in the grid (the last
+  tile's rows past M load as zeros and are not stored). A row's products therefore run through the same dot
+  instructions whatever M is and wherever the row sits in its tile.
+* No split-K: one program owns an output tile and walks K in ascending tiles of block_k into one f32 accumulator.
+* K or N not a multiple of its block (non-power-of-two dims): the last tile starts at `dim - block` and overlaps
+  its predecessor. Along K the overlapped columns of x are zeroed, so they add exact zeros; along N the overlapped
+  columns are stored by the tile that owns them only (a masked store). Dims below MIN_DIM are zero-padded to it.
+* f32 operands multiply in IEEE f32 (precision HIGHEST; Triton's default for them is TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jax.typing import DTypeLike
+
+BLOCK_M = 16  # rows per output tile: the smallest M of a Triton tensor-core dot
+MIN_DIM = 16  # Triton dots take operands of at least 16 rows and columns
+ROW_BYTES = 128  # bytes of one weight-tile row: one whole 128-byte line per row and per K step
+BLOCK_K = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+class Tiling(NamedTuple):
+    """Output columns per program and the K step of its loop (powers of two, at least MIN_DIM)."""
+
+    block_n: int
+    block_k: int
+
+
+def _pow2_at_most(dim: int, cap: int) -> int:
+    """The largest power of two <= min(dim, cap), at least MIN_DIM."""
+    return max(MIN_DIM, min(cap, 1 << (dim.bit_length() - 1)))
+
+
+def tiling(k: int, n: int, dtype: DTypeLike) -> Tiling:
+    """The tiling for a `[K, N]` weight of `dtype`, a function of (K, N, dtype) only.
+
+    block_n: one 128-byte line of the weight per tile row (64 bf16, 32 f32 columns). At decode (M <= 16 rows: one
+    row tile) the weight is read once and the grid has N / block_n programs, so narrow tiles keep the GPU busy
+    while each load stays a whole line. block_k: 64 (a 64 x 64 bf16 weight tile per pipeline stage).
+    """
+    return Tiling(_pow2_at_most(n, ROW_BYTES // jnp.dtype(dtype).itemsize), _pow2_at_most(k, BLOCK_K))
+
+
+def _kernel(x_ref, w_ref, o_ref, *, rows: int, tile: Tiling, transposed: bool) -> None:
+    """One (head, row tile, column tile) program: o[:, n0:n0 + block_n] = x @ w[:, n0:n0 + block_n].
+
+    x_ref `[BLOCK_M, K]`; w_ref `[K, N]`, or `[N, K]` when `transposed`; o_ref `[BLOCK_M, N]` (whole rows: the
+    program stores its own columns). Rows at or past `rows` (the last tile's overhang) load as zeros and are not
+    stored.
+    """
+    k, n = x_ref.shape[1], o_ref.shape[1]
+    bn, bk = tile
+    own = pl.program_id(2) * bn
+    n0 = jnp.minimum(own, n - bn)  # the last tile may overlap its predecessor
+    row_ok = (pl.program_id(1) * BLOCK_M + jnp.arange(BLOCK_M, dtype=jnp.int32) < rows)[:, None]
+    f32 = x_ref.dtype == jnp.float32
+    dot = functools.partial(
+        jnp.dot, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST if f32 else None
+    )
+
+    def step(k0, acc, fresh=None):
+        mask = row_ok if fresh is None else row_ok & fresh[None, :]
+        x = pltriton.load(x_ref.at[:, pl.ds(k0, bk)], mask=mask, other=0)
+        if transposed:
+            return acc + dot(x, w_ref[pl.ds(n0, bn), pl.ds(k0, bk)].T)
+        return acc + dot(x, w_ref[pl.ds(k0, bk), pl.ds(n0, bn)])
+
+    acc = lax.fori_loop(0, k // bk, lambda t, acc: step(t * bk, acc), jnp.zeros((BLOCK_M, bn), jnp.float32))
+    if k % bk:  # tail: the last block_k columns, those already summed loaded as zeros
+        acc = step(k - bk, acc, jnp.arange(bk, dtype=jnp.int32) >= bk - k % bk)
+    cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+    pltriton.store(o_ref.at[:, pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=row_ok & (cols >= own)[None, :])
+
+
+def _pad_to(a: jax.Array, axis: int, size: int) -> jax.Array:
+    """`a` zero-padded at the end of `axis` to `size` (unchanged when already that long)."""
+    if a.shape[axis] >= size:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, widths)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "transposed", "tile", "interpret"))
+def head_matmul_tiled(
+    x: jax.Array,
+    w: jax.Array,
+    out_dtype: jnp.dtype,
+    transposed: bool,
+    tile: Tiling,
+    interpret: bool = False,
+) -> jax.Array:
+    """x `[M, heads, K]`, w `[heads, K, N]` (transposed: `[heads, N, K]`) -> `[M, heads, N]` in out_dtype with an
+    explicit tiling (the kernels' entry points take `tiling(K, N, dtype)`; tests take others). Grid: heads x
+    ceil(M / BLOCK_M) row tiles x ceil(N / block_n) column tiles; K or N below MIN_DIM is zero-padded (a copy)."""
+    if x.dtype != w.dtype:
+        raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    m, heads, k = x.shape
+    n = w.shape[1] if transposed else w.shape[2]
+    kp, np_ = max(k, MIN_DIM), max(n, MIN_DIM)
+    x = _pad_to(x, 2, kp)
+    w = _pad_to(_pad_to(w, 2, kp), 1, np_) if transposed else _pad_to(_pad_to(w, 1, kp), 2, np_)
+    o = pl.pallas_call(
+        functools.partial(_kernel, rows=m, tile=tile, transposed=transposed),
+        grid=(heads, pl.cdiv(m, BLOCK_M), pl.cdiv(np_, tile.block_n)),
+        in_specs=[
+            pl.BlockSpec((BLOCK_M, None, kp), lambda h, i, j: (i, h, 0)),
+            pl.BlockSpec((None, *w.shape[1:]), lambda h, i, j: (h, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((BLOCK_M, None, np_), lambda h, i, j: (i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((m, heads, np_), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name="exact_matmul",
+    )(x, w)
+    return o if n == np_ else o[..., :n]
+
+
+def head_matmul_pallas(
+    x: jax.Array, w: jax.Array, out_dtype: DTypeLike, *, transposed: bool = False, interpret: bool = False
+) -> jax.Array:
+    """Per-head products, row-invariant: x `[..., heads, K]`, w `[heads, K, N]` (transposed: `[heads, N, K]`) ->
+    `[..., heads, N]` in out_dtype, f32 accumulation; x and w share a dtype."""
+    k = x.shape[-1]
+    n = w.shape[1] if transposed else w.shape[2]
+    flat = x.reshape(-1, *x.shape[-2:])
+    out = head_matmul_tiled(flat, w, jnp.dtype(out_dtype), transposed, tiling(k, n, w.dtype), interpret)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def matmul_pallas(x: jax.Array, w: jax.Array, out_dtype: DTypeLike, *, interpret: bool = False) -> jax.Array:
+    """x `[..., K]` @ w `[K, N]` -> `[..., N]` in out_dtype, f32 accumulation, each row's result independent of
+    the other rows of the call; x and w share a dtype."""
+    out = head_matmul_pallas(x[..., None, :], w[None], out_dtype, interpret=interpret)
+    return out[..., 0, :]

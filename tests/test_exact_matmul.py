@@ -1,0 +1,109 @@
+"""The row-invariant matmul kernels (`pallas_kernels/exact_matmul.py`) in interpret mode: a row's result is the same
+bits in calls of 1, 9, 17 and 65 rows; it matches jnp.dot; without `exact` dispatch is the plain expression."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from row_invariance import PROBES, SIZES, probe_outputs, rows_invariant
+
+from pallas_kernels import dispatch, exact_matmul
+from pallas_kernels.dispatch import Kernels
+
+EXACT = Kernels(exact=True, matmul="interpret")
+K, N = 200, 97  # neither a power of two: a K tail tile and an overlapping last N tile
+
+
+def normal(rng, shape, dtype) -> np.ndarray:
+    return np.asarray(rng.standard_normal(shape), np.float32).astype(dtype)
+
+
+def check_rows(fn, k: int, dtype, rng, lead: tuple[int, ...] = ()) -> list[np.ndarray]:
+    """`probe_outputs` of fn on rows `[*lead, k]` of `dtype`."""
+    probes = (normal(rng, (PROBES, *lead, k), dtype),)
+    return probe_outputs(fn, probes, lambda m: (normal(rng, (m, *lead, k), dtype),), rng)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_matmul_rows_are_bitwise_invariant_and_match_jnp_dot(dtype):
+    rng = np.random.default_rng()
+    w = normal(rng, (K, N), dtype)
+    outs = check_rows(lambda x: dispatch.matmul(EXACT, x, w, preferred_element_type=jnp.float32), K, dtype, rng)
+    assert rows_invariant(outs)
+    x = normal(rng, (SIZES[-1], K), dtype)
+    out = dispatch.matmul(EXACT, x, w)
+    assert out.dtype == dtype and out.shape == (SIZES[-1], N)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_head_matmul_rows_are_bitwise_invariant_and_match_einsum(dtype, transposed):
+    """MLA's per-head products: `bnhp,hpc->bnhc` (w_uk) and `bnhc,hvc->bnhv` (w_uv, transposed)."""
+    rng = np.random.default_rng()
+    heads, k, n = 3, 48, 40
+    w = normal(rng, (heads, n, k) if transposed else (heads, k, n), dtype)
+
+    def fn(x):
+        return dispatch.head_matmul(EXACT, x, w, transposed=transposed, preferred_element_type=jnp.float32)
+
+    assert rows_invariant(check_rows(fn, k, dtype, rng, lead=(heads,)))
+    x = normal(rng, (2, 5, heads, k), dtype)
+    spec = "bnhk,hdk->bnhd" if transposed else "bnhk,hkd->bnhd"
+    want = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(fn(x), np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("k,n", [(8, 8), (16, 200), (130, 16)])
+def test_dims_below_and_off_the_tile(k, n):
+    """Dims below 16 (the router of a model with 8 experts) are zero-padded; others take overlapping tail tiles."""
+    rng = np.random.default_rng()
+    x, w = normal(rng, (3, k), np.float32), normal(rng, (k, n), np.float32)
+    out = exact_matmul.matmul_pallas(x, w, jnp.float32, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_check_catches_a_tiling_chosen_from_m():
+    """Control: the same kernel with its K step chosen from M (16 for a single row tile, else 64), as an M-dependent
+    tiling would, fails the check; so does XLA's CPU dot in bf16, whose 1-row product rounds differently."""
+    rng = np.random.default_rng()
+    w = normal(rng, (K, N), jnp.float32)
+
+    def by_m(x):
+        tile = exact_matmul.Tiling(32, 16 if x.shape[0] <= exact_matmul.BLOCK_M else 64)
+        return exact_matmul.head_matmul_tiled(x[:, None], w[None], jnp.dtype(jnp.float32), False, tile, True)[:, 0]
+
+    assert not rows_invariant(check_rows(by_m, K, jnp.float32, rng))
+    w16 = w.astype(jnp.bfloat16)
+    xla = jax.jit(lambda x: jnp.dot(x, w16, preferred_element_type=jnp.float32))
+    assert not rows_invariant(check_rows(xla, K, jnp.bfloat16, rng))
+
+
+def test_without_exact_dispatch_is_the_plain_expression():
+    """exact=False (whatever the matmul mode): the jaxpr of `jnp.dot` / the model's einsums, no kernel."""
+    plain = Kernels(matmul="interpret")
+    x, w = jax.ShapeDtypeStruct((2, 3, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+    q, w_uk = jax.ShapeDtypeStruct((2, 3, 4, 16), jnp.bfloat16), jax.ShapeDtypeStruct((4, 16, 32), jnp.bfloat16)
+    o_lat, w_uv = jax.ShapeDtypeStruct((2, 3, 4, 32), jnp.bfloat16), jax.ShapeDtypeStruct((4, 16, 32), jnp.bfloat16)
+    f32 = jnp.float32
+    pairs = [
+        ((x, w), lambda a, b: jnp.dot(a, b), lambda a, b: dispatch.matmul(plain, a, b)),
+        (
+            (x, w),
+            lambda a, b: jnp.dot(a, b, preferred_element_type=f32),
+            lambda a, b: dispatch.matmul(plain, a, b, preferred_element_type=f32),
+        ),
+        ((q, w_uk), lambda a, b: jnp.einsum("bnhp,hpc->bnhc", a, b), lambda a, b: dispatch.head_matmul(plain, a, b)),
+        (
+            (o_lat, w_uv),
+            lambda a, b: jnp.einsum("bnhc,hvc->bnhv", a, b, preferred_element_type=f32),
+            lambda a, b: dispatch.head_matmul(plain, a, b, transposed=True, preferred_element_type=f32),
+        ),
+    ]
+    for args, today, dispatched in pairs:
+        assert str(jax.make_jaxpr(dispatched)(*args)) == str(jax.make_jaxpr(today)(*args))
