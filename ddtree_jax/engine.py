@@ -217,7 +217,7 @@ def prefill(
     last0 = jnp.zeros((b, target.config.hidden_size), target.dtype)
     (cache, dcache, last), _ = jax.lax.scan(step, (cache, dcache, last0), jnp.arange(n_chunks))
     keys, sub = split_rows(keys)
-    logits = target.logits(last)
+    logits = target.logits(last, spec.kernels)
     first = _sample(spec, logits, sub)
     finite = _finite_rows(logits)
     out = jnp.zeros((b, spec.max_new_tokens + d + 1), jnp.int32).at[:, 0].set(first)
@@ -269,7 +269,7 @@ def ar_round(target: KimiForCausalLM, spec: GenSpec, s: LoopState) -> LoopState:
     keys, sub = split_rows(s.keys)
     with jax.named_scope("step"):
         fwd = target(s.root[:, None], s.start[:, None], s.cache, s.start, kernels=spec.kernels)
-        logits = target.logits(fwd.hidden[:, 0])
+        logits = target.logits(fwd.hidden[:, 0], spec.kernels)
         nxt = _sample(spec, logits, sub)
         tau = jnp.ones_like(nxt)
         return _finish_round(spec, s, nxt[:, None], tau, nxt, fwd.cache, _finite_rows(logits), keys=keys)
@@ -288,7 +288,8 @@ def draft(
     block = jnp.full((b, c.block_size), c.mask_token_id, jnp.int32).at[:, 0].set(s.root)
     positions = s.start[:, None] + jnp.arange(c.block_size)[None, :]
     hidden = drafter(target.embed(block), positions, dcache, ctx_len, kernels)
-    return target.logits(hidden[:, 1:]) * c.output_multiplier, dcache
+    draft_head = dataclasses.replace(kernels, exact=False)  # draft logits need no invariance, only speed
+    return target.logits(hidden[:, 1:], draft_head) * c.output_multiplier, dcache
 
 
 def build_trees(
@@ -333,7 +334,7 @@ def verify(
     positions = s.start[:, None] + tree.depth
     layers = drafter.config.target_layer_ids
     fwd = target(tree.tokens, positions, s.cache, s.start, mask, feature_layers=layers, kernels=spec.kernels)
-    logits = target.logits(fwd.hidden)
+    logits = target.logits(fwd.hidden, spec.kernels)
     return fwd, _sample(spec, logits, keys), _finite_rows(logits)
 
 

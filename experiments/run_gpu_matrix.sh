@@ -19,6 +19,7 @@
 #   bytes per piece of each layer against a copy rate timed in the same run (layer_profile; issue 32)
 #   and (STAGES=drafter) the drafter attention kernel: bench_drafter, breakdown at 32 rows with and without it
 #   (issue 37; about 5 min)
+#   and (STAGES=exact_check) the exact numerics: exact_probe with and without, exact_check (issue 34; about 9 min)
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -89,6 +90,11 @@ want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_
   --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --noexact --name=breakdown_c32_drafter_reference
 want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
   --budgets=8 --concurrency=32 --noexact --name=breakdown_c32
+# Exact numerics (issue 34): layer by layer, decode steps vs block / tree / batch, with and without; then the same
+# ragged requests at batch 1/8/32 as every method, compared with batch-1 ar, and tokens/s on vs off.
+want exact_check && stage exact_probe 70 "$PY" -m experiments.exact_probe --out_dir="$RES"
+want exact_check && stage exact_probe_off 50 "$PY" -m experiments.exact_probe --out_dir="$RES" --noexact
+want exact_check && stage exact_check 380 "$PY" -m experiments.exact_check --out_dir="$RES"
 want layer_profile && stage layer_profile "$LAYER_PROFILE_S" "$PY" -m experiments.layer_profile --out_dir="$RES" \
   --layouts=single,rank --budgets=8,16 --concurrency=1,8 --context=1024
 if want mla_profile; then
