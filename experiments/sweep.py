@@ -26,6 +26,7 @@ from typing import NamedTuple
 from absl import flags
 from tqdm import tqdm
 
+from ddtree_jax.calibration import at_length
 from ddtree_jax.errors import run_app
 from experiments import common, workload
 
@@ -111,7 +112,7 @@ def plan_axis(gen, axis: str, base: list[list[int]], depth: int) -> list[Group]:
             continue
         seen.add((conc, ctx))
         n_rows = conc * math.ceil(max(FLAGS.num_prompts, 1) / conc)
-        rows = workload.at_length(base, ctx, n_rows)
+        rows = at_length(base, ctx, n_rows)
         batches = [rows[i : i + conc] for i in range(0, n_rows, conc)]
         groups.append(Group(conc, ctx, requested, batches, methods))
     return groups

@@ -1,12 +1,15 @@
 """`method="auto"`: the cost table (JSON, interpolation, the choice, running acceptance), auto through the API and
-`ddtree-generate` (lossless: greedy output equals `ar`'s; the choice is reported), and the refusals (no table, a
-table from another device or dtype, a budget)."""
+`ddtree-generate` (lossless: greedy output equals `ar`'s; the choice is reported), the refusals (no table, a table
+from another device or dtype, a budget), and `ddtree-calibrate` on a tiny pair."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -282,3 +285,52 @@ def test_cli_auto_refusals(cli: GenerateCli) -> None:
     make_table(device_kind="NVIDIA H200").save(cli.drafter / "calibration.json")
     assert "measured on 1 x NVIDIA H200 in float32" in error()
     assert "x.json: no cost table there" in error(f"--calibration={cli.tmp / 'x.json'}")
+
+
+# ---- ddtree-calibrate ----------------------------------------------------------------------------------------
+
+
+def calibrate(target: Path, drafter: Path, prompts: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = [f"--target={target}", f"--drafter={drafter}", f"--prompts={prompts}", *extra]
+    env = {k: v for k, v in os.environ.items() if k != "DDTREE_DEBUG"} | {"JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "ddtree_jax.calibrate", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_calibrate_writes_a_table_beside_the_drafter(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    drafter = tmp_path / "drafter"
+    shutil.copytree(pair[1], drafter)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    grid = ["--candidates=ar,ddtree-2", "--batches=2", "--contexts=4000", "--max_new_tokens=4", "--repeats=1"]
+    proc = calibrate(pair[0], drafter, prompts, *grid, "--dtype=float32", "--compile_workers=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = CostTable.load(drafter / "calibration.json")
+    assert [c.name for c in table.candidates] == ["ar", "ddtree-2"]
+    assert (table.batches, table.contexts) == ((2,), (2048 - 4 - 3,))  # lowered to the position limit
+    assert table.dtype == "float32" and table.device_count == 1 and table.tokens_per_round["ar"] == 1.0
+    assert table.tokens_per_round["ddtree-2"] >= 1 and table.settings["prompts"] == str(prompts)
+    assert "auto's choice at the measured acceptance" in proc.stdout
+    again = calibrate(pair[0], drafter, prompts, *grid)  # refused before anything is loaded
+    assert again.returncode == 2 and again.stderr.strip().endswith("exists: pass --overwrite to replace it")
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("--candidates=ar,beam", "--candidates: candidate method 'beam' not one of"),
+        ("--candidates=ddtree-0", "--candidates: a ddtree candidate takes a budget >= 1"),
+        ("--batches=0,8", "--batches must be integers >= 1, got 0,8"),
+        ("--contexts=long", "--contexts must be integers, got long"),
+        ("--repeats=0", "--repeats must be >= 1, got 0"),
+        ("--max_new_tokens=1", "--max_new_tokens must be >= 2, got 1"),
+        ("--max_new_tokens=5000", "--max_new_tokens 5000 leaves no prompt room below the limit 2048"),
+    ],
+)
+def test_calibrate_refuses_bad_input(pair: tuple[Path, Path], tmp_path: Path, flag: str, says: str) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 1, "prompt_ids": [5, 6]}\n')
+    proc = calibrate(*pair, prompts, flag, f"--output={tmp_path / 'cal.json'}")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "cal.json").exists()
