@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The whole experiment matrix in one command on one H200 (the stage caps below sum to about 12 minutes; a device
+# The whole experiment matrix in one command on one H200 (the stage caps below sum to about 16 minutes; a device
 # call is at most 10, so pick stages with STAGES=...):
-#   1. sweeps over budget and concurrency on the shipped pair (one process: compilations shared)
+#   1. sweeps over budget and concurrency on the shipped pair (one process: compilations shared), `auto` beside the
+#      fixed methods in every cell; without a calibration.json beside the drafter each sweep process first measures
+#      auto's cost table over its own grid (sweep_<axes>_calibration.json)
 #   2. round-time breakdown   3. full-size cost model (bench_round, BENCH_LAYERS real-size layers)   4. context sweep
 #   5. float32 exactness at long context (sweep_context_float32)
 #   6. tree build: Pallas kernel vs plain JAX, top-k variants (bench_tree_build)   7. REPORT.md + plots
@@ -29,10 +31,10 @@ PY=${PYTHON:-.venv/bin/python}
 # The device tool returns at most 8 files from $OUT: with OUT set, the stages write to a scratch folder and what
 # they wrote (records, profiles, REPORT.md) comes back packed as $OUT/results.tgz, also when a stage is cut short.
 if [ -n "${OUT:-}" ]; then RES=$(mktemp -d); else RES=experiments/results; fi
-SWEEP_S=${SWEEP_S:-150}
+SWEEP_S=${SWEEP_S:-300}
 BREAKDOWN_S=${BREAKDOWN_S:-60}
 BENCH_S=${BENCH_S:-150}
-CONTEXT_S=${CONTEXT_S:-50}
+CONTEXT_S=${CONTEXT_S:-120}
 EXACT_S=${EXACT_S:-120}
 BENCH_LAYERS=${BENCH_LAYERS:-4}  # the projection scales one measured MoE layer to 61; 0: as many as fit
 TREE_S=${TREE_S:-200}
@@ -89,7 +91,7 @@ want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_
   --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --name=breakdown_c32_drafter_reference
 want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
   --budgets=8 --concurrency=32 --name=breakdown_c32
-want drafter && stage sweep_concurrency 180 "$PY" "${SWEEP[@]}" --axis=concurrency --concurrency=1,8,32,64,128
+want drafter && stage sweep_concurrency 300 "$PY" "${SWEEP[@]}" --axis=concurrency --concurrency=1,8,32,64,128
 want layer_profile && stage layer_profile "$LAYER_PROFILE_S" "$PY" -m experiments.layer_profile --out_dir="$RES" \
   --layouts=single,rank --budgets=8,16 --concurrency=1,8 --context=1024
 if want mla_profile; then
