@@ -4,6 +4,7 @@ gen = Generator.load("checkpoints/kimi-mini", "checkpoints/kimi-mini-dflash")
 res = gen.generate_text(["def fibonacci(n):"], method="ddtree", budget=16, max_new_tokens=64)
 res.texts[0], res.stats[0]["tokens_per_round"], res.tokens_per_s
 res = gen.generate([[1, 2, 3], [4, 5]], method="ar")  # token ids in, res.tokens out
+res = gen.generate([[1, 2, 3]], method="auto")  # per batch, the program the cost table expects fastest (res.auto)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from ddtree_jax import engine, sharding, stops
+from ddtree_jax import cost_table, engine, sharding, stops
 from ddtree_jax.config import check_pair
 from ddtree_jax.errors import NumericsError, UserError
 from ddtree_jax.models.dflash import DFlashDrafter
@@ -69,10 +70,22 @@ class GenerationResult:
     tokens_per_s: float  # aggregate: tokens the program generated for the whole batch / wall_s
     batch_rounds: int  # rounds the program ran: its longest row's
     spec: engine.GenSpec  # the program that ran
+    auto: cost_table.Choice | None = None  # with method="auto": what it chose and why; None for a given method
+
+    @property
+    def method(self) -> str:
+        """The method that ran (with method="auto", the one chosen)."""
+        return self.spec.method
+
+    @property
+    def budget(self) -> int | None:
+        """DDTree's node budget that ran; None for ar and dflash."""
+        return self.spec.budget if self.spec.method == "ddtree" else None
 
 
 class Generator:
-    """A target model, an optional DFlash drafter and tokenizer, and a cache of compiled programs."""
+    """A target model, an optional DFlash drafter and tokenizer, a cache of compiled programs, and the cost table
+    (with its running acceptance) that `method="auto"` chooses by."""
 
     def __init__(
         self,
@@ -83,12 +96,14 @@ class Generator:
         mesh: Mesh | str | None = None,
         trained_context: int | None = None,
         exact: bool | None = None,
+        calibration: cost_table.CostTable | Path | None = None,
     ):
         """mesh: a `jax.sharding.Mesh` or spec like "expert=8,tensor=1" (sharding.py); None: all local devices
         on `expert` when there are several, else the single-device program. Params are placed on it.
         trained_context: the window length the target was trained on, if known; longer requests are logged.
         exact: every program computes a token's target logits independently of the batch, the method and the tree
-        (`Kernels.exact`), so speculative output equals `ar`'s bit for bit; None: `default_exact()`."""
+        (`Kernels.exact`), so speculative output equals `ar`'s bit for bit; None: `default_exact()`.
+        calibration: the cost table of `method="auto"` (`use_calibration`)."""
         if drafter is not None:
             check_pair(target.config, drafter.config)
         self.mesh = sharding.resolve_mesh(mesh)
@@ -101,10 +116,29 @@ class Generator:
         self.exact = default_exact() if exact is None else exact
         self._compiled: dict[engine.GenSpec, tuple] = {}  # spec (kernel selection included) -> program and states
         self.compile_seconds: dict[engine.GenSpec, float] = {}  # per program, however it was compiled
+        self.use_calibration(calibration)
 
     @property
     def target_config(self):
         return self.target.config
+
+    def use_calibration(self, table: cost_table.CostTable | Path | None) -> None:
+        """Make `table` (a path: read when first needed) the one `method="auto"` chooses by, checked against this
+        Generator's devices and dtype when auto uses it; its acceptance starts the running means."""
+        self._calibration = table
+        loaded = isinstance(table, cost_table.CostTable)
+        self.acceptance = cost_table.Acceptance(table.tokens_per_round) if loaded else None
+
+    @property
+    def calibration(self) -> cost_table.CostTable | None:
+        """The cost table of `method="auto"`, if any (read now when it was given as a path)."""
+        if isinstance(self._calibration, Path):
+            self.use_calibration(cost_table.CostTable.load(self._calibration))
+        return self._calibration
+
+    def device_identity(self) -> dict[str, str | int]:
+        """What a cost table must have been measured on to serve this Generator (`device_identity`)."""
+        return device_identity(self.mesh, self.target.dtype, self.exact)
 
     @classmethod
     def load(
@@ -115,12 +149,16 @@ class Generator:
         dtype=None,
         mesh: str | None = None,
         exact: bool | None = None,
+        calibration: str | Path | None = None,
     ) -> Generator:
         """Load HF-format checkpoints, each a directory or a Hugging Face model id (`ddtree_jax.hub`), and the
         target's tokenizer when it has one.
 
         dtype: weights and activations; None: `default_dtype()` (float32 on a CPU, bfloat16 on an accelerator).
-        mesh, exact: as in `__init__`; each target tensor goes straight to its shards as it is read."""
+        mesh, exact: as in `__init__`; each target tensor goes straight to its shards as it is read.
+        calibration: the cost table of `method="auto"` (`ddtree-calibrate` writes it), refused at once (`UserError`)
+        if malformed or measured on other devices or in another dtype; None: the drafter's calibration.json when it
+        has one, read (and refused) only when auto needs it."""
         dtype = default_dtype() if dtype is None else dtype
         from ddtree_jax.checkpoint import load_target
         from ddtree_jax.dflash_checkpoint import load_drafter
@@ -129,11 +167,17 @@ class Generator:
 
         target_dir, drafter_dir = resolve_checkpoint(target_dir), drafter_dir and resolve_checkpoint(drafter_dir)
         mesh = sharding.resolve_mesh(mesh)
+        beside = Path(drafter_dir or "") / cost_table.FILE_NAME
+        table = beside if drafter_dir is not None and beside.is_file() else None
+        if calibration is not None:
+            table = cost_table.CostTable.load(calibration)
+            table.check(**device_identity(mesh, dtype, default_exact() if exact is None else exact))
         place = sharding.sharding_fn(mesh) if mesh is not None else None
         target = load_target(target_dir, dtype=dtype, sharding_fn=place)
         drafter = load_drafter(drafter_dir, dtype=dtype) if drafter_dir is not None else None
         tok = load_tokenizer(target_dir) if has_tokenizer(target_dir) else None
-        return cls(target, drafter, tok, mesh=mesh, trained_context=trained_context(Path(target_dir)), exact=exact)
+        window = trained_context(Path(target_dir))
+        return cls(target, drafter, tok, mesh=mesh, trained_context=window, calibration=table, exact=exact)
 
     def spec(
         self,
@@ -141,7 +185,7 @@ class Generator:
         prompt_len: int,
         *,
         method: str,
-        budget: int,
+        budget: int | None,
         temperature: float,
         max_new_tokens: int,
         ignore_eos: bool,
@@ -150,9 +194,9 @@ class Generator:
         stop_token_ids: Sequence[int] = (),
         kernels: Kernels | None = None,
     ) -> engine.GenSpec:
-        """The program for these settings; kernels None: `Kernels.from_env()` (read now), its `exact` set to this
-        generator's. Its stop ids are
-        stop_token_ids and, unless ignore_eos, the target's EOS ids; ids outside the vocabulary are a ValueError."""
+        """The program for these settings (method: ar, dflash or ddtree; budget None: `engine.DEFAULT_BUDGET`;
+        kernels None: `Kernels.from_env()`, read now; its `exact` is this generator's). Its stop ids are stop_token_ids
+        and, unless ignore_eos, the target's EOS ids; ids outside the vocabulary are a ValueError."""
         vocab = self.target.config.vocab_size
         bad = [i for i in stop_token_ids if not 0 <= i < vocab]
         if bad:
@@ -163,7 +207,7 @@ class Generator:
             batch=batch,
             prompt_len=padded_prompt_len(prompt_len),
             max_new_tokens=max_new_tokens,
-            budget=budget,
+            budget=engine.DEFAULT_BUDGET if budget is None else budget,
             temperature=float(temperature),
             top_k=top_k,
             top_p=float(top_p),
@@ -201,12 +245,26 @@ class Generator:
             list(pool.map(self.compiled, todo))
         return time.perf_counter() - t0
 
+    def choose(self, batch: int, context: int) -> cost_table.Choice:
+        """What `method="auto"` runs for a batch of `batch` rows (the padded batch size) whose longest prompt has
+        `context` tokens: `ar` without a drafter, else the cost table's fastest candidate at the running acceptance.
+        A `UserError` when there is no table, or one measured on other devices or in another dtype."""
+        if self.drafter is None:
+            return cost_table.Choice(cost_table.Candidate("ar"), batch, context, {}, cost_table.NO_DRAFTER)
+        if self.calibration is None:
+            raise UserError(
+                'method "auto" needs a cost table: run ddtree-calibrate --target=... --drafter=... --prompts=... '
+                f"(it writes {cost_table.FILE_NAME} beside the drafter), or pass calibration= or another method"
+            )
+        self.calibration.check(**self.device_identity())
+        return self.calibration.choose(batch, context, self.acceptance.means())
+
     def generate(
         self,
         prompts: list[list[int]],
         *,
         method: str = "ddtree",
-        budget: int = 16,
+        budget: int | None = None,
         temperature: float = 0.0,
         max_new_tokens: int = 128,
         seed: int = 0,
@@ -220,6 +278,11 @@ class Generator:
         kernels: Kernels | None = None,
     ) -> GenerationResult:
         """Generate for a batch of token-id prompts (different lengths allowed).
+
+        method: "ar", "dflash", "ddtree" (budget: its node budget, None: `engine.DEFAULT_BUDGET`) or "auto": the
+        program `choose` picks for this batch, budget included (so auto takes no budget); the result's `auto` says
+        what it chose and why, and the batch's acceptance joins that candidate's running mean. Every method gives
+        the target's own output (greedy: `ar`'s tokens).
 
         Sampling (temperature > 0): prompt i's randomness depends only on (seed, request_indices[i]) (default
         request_indices: 0..n-1), not on the batch it shares, its row or the batch size. Give each request its own
@@ -260,6 +323,12 @@ class Generator:
             "stop_token_ids": stop_token_ids,
             "kernels": kernels,
         }
+        auto = None
+        if method == "auto":
+            if budget is not None:
+                raise ValueError('method="auto" chooses the budget: pass a budget only with method="ddtree"')
+            auto = self.choose(max(len(prompts), pad_batch_to or 0), max(len(p) for p in prompts))
+            method, budget = auto.candidate.method, auto.candidate.spec_budget
         spec = self.spec_for(prompts, method=method, budget=budget, pad_batch_to=pad_batch_to, **settings)
         n, batch = len(prompts), spec.batch
         rows = list(prompts) + [prompts[-1]] * (batch - n)
@@ -306,8 +375,12 @@ class Generator:
                     "est_tokens_per_s": generated[i] / latency if latency > 0 else 0.0,
                 }
             )
+        total_rounds = int(rounds[:n].sum())
+        if auto is not None and auto.reason == cost_table.FROM_TABLE and total_rounds:
+            committed = float((hist[:n] * np.arange(hist.shape[1])).sum())
+            self.acceptance.observe(auto.candidate.name, committed / total_rounds)
         rate = sum(generated) / wall if wall > 0 else 0.0
-        return GenerationResult(result_tokens, texts, stats, wall, compile_s, rate, batch_rounds, spec)
+        return GenerationResult(result_tokens, texts, stats, wall, compile_s, rate, batch_rounds, spec, auto)
 
     def generate_text(
         self, prompts: Sequence[str | Sequence[Mapping[str, str]]], *, chat: bool = False, **settings
@@ -328,6 +401,15 @@ class Generator:
             for p in prompts
         ]
         return self.generate(ids, **settings)
+
+
+def device_identity(mesh: Mesh | None, dtype, exact: bool) -> dict[str, str | int | bool]:
+    """What a cost table must have been measured on to serve programs on `mesh` (None: one device) in `dtype`
+    with the exact numerics on or off: the devices' kind and count, the dtype's name and `exact`
+    (`CostTable.check`'s keywords)."""
+    count = mesh.devices.size if mesh is not None else 1
+    kind = jax.devices()[0].device_kind
+    return {"device_kind": kind, "device_count": count, "dtype": jnp.dtype(dtype).name, "exact": exact}
 
 
 def trained_context(target_dir: Path) -> int | None:

@@ -31,6 +31,7 @@ from ddtree_jax.sizing import cache_slots
 from pallas_kernels import dispatch
 
 METHODS = ("ar", "dflash", "ddtree")
+DEFAULT_BUDGET = 16  # DDTree's node budget when none is given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class GenSpec:
     batch: int
     prompt_len: int  # padded prompt length P
     max_new_tokens: int
-    budget: int = 16  # non-root tree nodes (ddtree); the chain uses D
+    budget: int = DEFAULT_BUDGET  # non-root tree nodes (ddtree); the chain uses D
     temperature: float = 0.0
     top_k: int = 0  # sampling: keep the k most likely tokens; 0 = all (`sampling.transform_logits`)
     top_p: float = 1.0  # sampling: keep the nucleus of this mass; 1 = all

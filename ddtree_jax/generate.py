@@ -9,6 +9,12 @@ input order; an existing --output is refused unless --overwrite (replace it) or 
 there). Before loading, the run's per-device memory (`ddtree_jax.memory.plan`) is compared with the device's free
 memory ($DDTREE_FREE_BYTES overrides it) and a run that cannot fit is refused with what would.
 
+--method=auto (the default) runs each batch with the program the cost table expects fastest for its size and
+longest prompt: `ar`, the DFlash chain or DDTree at a budget, all lossless (`ddtree_jax.cost_table`). The table is
+--calibration or calibration.json beside the drafter (`ddtree-calibrate` writes it; a table measured on another
+device kind or count or dtype is refused); without --drafter auto is `ar`. auto chooses the budget too, so it takes
+no --budget. Each record's stats.batch names the method and budget that ran and, under auto, what it chose and why.
+
 Sampling (--temperature > 0) draws from the temperature -> --top_k -> --top_p distribution, the same for every
 method. A request stops on device at the model's EOS ids (unless --ignore_eos) or a --stop_token_ids id; --stop
 strings are matched on the host after generation. Each record's stats say why it ended: finish_reason "stop" or
@@ -20,6 +26,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +34,7 @@ from typing import Any
 from absl import flags, logging
 from tqdm import tqdm
 
-from ddtree_jax import memory
+from ddtree_jax import cost_table, engine, memory
 from ddtree_jax.config import DFlashConfig, check_pair, load_dflash_config, load_kimi_config
 from ddtree_jax.errors import UserError, run_app
 from ddtree_jax.hub import METADATA_FILES, resolve_checkpoint
@@ -40,8 +47,19 @@ flags.DEFINE_string("target", None, "Target checkpoint (Kimi K2 family): a direc
 flags.DEFINE_string(
     "drafter", None, "DFlash drafter checkpoint, a directory or a Hugging Face model id (needed by dflash and ddtree)."
 )
-flags.DEFINE_enum("method", "ddtree", ["ar", "dflash", "ddtree"], "Decoding method.")
-flags.DEFINE_integer("budget", 16, "DDTree node budget per round.")
+flags.DEFINE_enum(
+    "method",
+    "auto",
+    ["auto", "ar", "dflash", "ddtree"],
+    "Decoding method. auto: per batch, the program (ar, dflash or ddtree at a budget) the cost table expects fastest; "
+    "ar without --drafter.",
+)
+flags.DEFINE_integer("budget", engine.DEFAULT_BUDGET, "DDTree node budget per round (--method=ddtree; auto chooses).")
+flags.DEFINE_string(
+    "calibration",
+    None,
+    f"Cost table of --method=auto (ddtree-calibrate writes it); default: {cost_table.FILE_NAME} beside --drafter.",
+)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (ties with the k-th kept); 0 = all.")
 flags.DEFINE_float("top_p", 1.0, "Sample from the nucleus of this probability mass, after --top_k; 1 = all.")
@@ -106,8 +124,12 @@ def validate_flags() -> None:
         raise UserError("--stop must not be empty")
     if FLAGS.mesh is not None:
         parse_mesh_spec(FLAGS.mesh)
-    if FLAGS.method != "ar" and not FLAGS.drafter:
+    if FLAGS.method in ("dflash", "ddtree") and not FLAGS.drafter:
         raise UserError(f"--method={FLAGS.method} needs --drafter")
+    if FLAGS.method == "auto" and FLAGS["budget"].present:
+        raise UserError("--method=auto chooses the budget: pass --budget with --method=ddtree")
+    if FLAGS.calibration is not None and FLAGS.method != "auto":
+        raise UserError(f"--calibration is the cost table of --method=auto, not of --method={FLAGS.method}")
     out = Path(FLAGS.output)
     if out.is_dir():
         raise UserError(f"--output {out} is a directory")
@@ -151,13 +173,41 @@ def warn_budget(budget: int, drafter: DFlashConfig) -> None:
         )
 
 
+def calibration_table(drafter_dir: str | None) -> cost_table.CostTable | None:
+    """--method=auto's cost table: --calibration, or calibration.json beside the drafter; None without a drafter
+    (auto is then ar). Raises `UserError` when there is none."""
+    if drafter_dir is None:
+        return None
+    if FLAGS.calibration is not None:
+        return cost_table.CostTable.load(FLAGS.calibration)
+    path = Path(drafter_dir) / cost_table.FILE_NAME
+    if not path.is_file():
+        raise UserError(
+            f"--method=auto needs a cost table, and {path} is none: run ddtree-calibrate --target={FLAGS.target} "
+            f"--drafter={FLAGS.drafter} --prompts=HELD_OUT.jsonl (or pass --calibration, or another --method)"
+        )
+    return cost_table.CostTable.load(path)
+
+
+def method_label(records: Sequence[dict[str, Any]]) -> str:
+    """What ran: one method ("ddtree-16"), or under auto the candidates it chose, by requests ("auto: ddtree-8 x12,
+    ar x4")."""
+    batches = [r["stats"]["batch"] for r in records]
+    ran = Counter(cost_table.Candidate(b["method"], b["budget"]).name for b in batches)
+    if all(b["auto"] is None for b in batches):
+        return ", ".join(ran)
+    return "auto: " + ", ".join(f"{name} x{n}" for name, n in ran.most_common())
+
+
 def summary_table(records: Sequence[dict[str, Any]], exec_s: float, compile_s: float, wall_s: float) -> str:
-    """The run's figures, each labelled: aggregate tok/s over the programs' execution (compilation excluded), the
-    median request's estimated tok/s, and the seconds spent executing, compiling and in all."""
+    """The run's figures, each labelled: the method that ran, aggregate tok/s over the programs' execution
+    (compilation excluded), the median request's estimated tok/s, and the seconds spent executing, compiling and in
+    all."""
     tokens = sum(len(r["token_ids"]) for r in records)
     rounds = sum(r["stats"]["rounds"] for r in records)
     per_request = statistics.median(r["stats"]["est_tokens_per_s"] for r in records)
     cells = {
+        "method": method_label(records),
         "requests": str(len(records)),
         "tokens": str(tokens),
         "rounds": str(rounds),
@@ -176,7 +226,8 @@ def summary_table(records: Sequence[dict[str, Any]], exec_s: float, compile_s: f
 def make_record(p: Prompt, tokens: list[int], stats: dict[str, Any], batch: dict[str, Any], text: str | None):
     """One output line. `stats`: this request's rounds, tokens per round and its estimated latency and tok/s
     (`api.GenerationResult`) and finish_reason ("stop": a stop token id or --stop string, "length": --max_new_tokens);
-    `stats.batch`: the batch it ran in (size, rounds, execution seconds, aggregate tok/s)."""
+    `stats.batch`: the batch it ran in (size, rounds, execution seconds, aggregate tok/s, the method and DDTree budget
+    that ran, and under --method=auto what it chose and why: `cost_table.Choice.to_dict`, else null)."""
     own = ("rounds", "tokens_per_round", "finish_reason", "est_latency_s", "est_tokens_per_s")
     return {
         "id": p.id,
@@ -216,11 +267,13 @@ def main(argv: Sequence[str]) -> None:
     if not todo:
         logging.info("All %d prompts are already in %s; nothing to do.", len(prompts), FLAGS.output)
         return
+    table = calibration_table(drafter_dir) if FLAGS.method == "auto" else None
 
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.api import Generator, default_dtype, padded_prompt_len
+    from ddtree_jax.api import Generator, default_dtype, default_exact, device_identity, padded_prompt_len
+    from ddtree_jax.sharding import resolve_mesh
     from pallas_kernels.dispatch import Kernels
 
     try:
@@ -229,6 +282,12 @@ def main(argv: Sequence[str]) -> None:
         raise UserError(f"kernel selection (DDTREE_* environment): {e}") from None
 
     dtype = default_dtype() if FLAGS.dtype == "auto" else jnp.dtype(FLAGS.dtype)
+    method, budget = "ar" if FLAGS.method == "auto" else FLAGS.method, FLAGS.budget  # auto without a drafter: ar
+    if table is not None:
+        exact = default_exact() if FLAGS.exact is None else FLAGS.exact
+        table.check(**device_identity(resolve_mesh(FLAGS.mesh), dtype, exact))
+        heaviest = cost_table.largest(table.candidates, drafter_cfg.num_draft)  # auto may run any candidate
+        method, budget = heaviest.method, heaviest.spec_budget
     longest = padded_prompt_len(max(len(p.token_ids) for _, p in todo))
     memory.check_fits(
         target_cfg,
@@ -237,12 +296,19 @@ def main(argv: Sequence[str]) -> None:
         batch=min(FLAGS.batch_size, len(todo)),
         max_len=longest + FLAGS.max_new_tokens,
         prompt_len=longest,
-        method=FLAGS.method,
-        budget=FLAGS.budget,
+        method=method,
+        budget=budget,
         layout=memory.Layout.from_spec(FLAGS.mesh, jax.device_count()),
         dtype_bytes=jnp.dtype(dtype).itemsize,
     )
-    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh, exact=FLAGS.exact)
+    gen = Generator.load(
+        FLAGS.target,
+        FLAGS.drafter,
+        dtype=dtype,
+        mesh=FLAGS.mesh,
+        calibration=table.source if table else None,
+        exact=FLAGS.exact,
+    )
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
     exec_s = compile_s = 0.0
@@ -253,7 +319,7 @@ def main(argv: Sequence[str]) -> None:
         res = gen.generate(
             [list(p.token_ids) for _, p in batch],
             method=FLAGS.method,
-            budget=FLAGS.budget,
+            budget=None if FLAGS.method == "auto" else FLAGS.budget,
             temperature=FLAGS.temperature,
             max_new_tokens=FLAGS.max_new_tokens,
             seed=FLAGS.seed,
@@ -267,7 +333,8 @@ def main(argv: Sequence[str]) -> None:
             pad_batch_to=min(FLAGS.batch_size, len(todo)),  # a short last batch reuses the full batch's program
         )
         about = {"requests": len(batch), "rounds": res.batch_rounds, "exec_s": res.wall_s}
-        about["tokens_per_s"] = res.tokens_per_s
+        about |= {"tokens_per_s": res.tokens_per_s, "method": res.method, "budget": res.budget}
+        about["auto"] = res.auto.to_dict() if res.auto is not None else None
         texts = res.texts or [None] * len(batch)
         rows = zip((p for _, p in batch), res.tokens, res.stats, texts, strict=True)
         done_now = [make_record(p, t, s, about, text) for p, t, s, text in rows]

@@ -6,9 +6,11 @@ JSON keys: total_params, active_params_per_token, weight_bytes, kv_cache_bytes_p
 decode_fixed_bytes, expert_bytes (see `ddtree_jax.sizing.model_sizes`). No weight file is opened.
 
 With --batch_size and --max_len it adds "plan": the per-device memory plan `ddtree-generate` checks before
-loading (`ddtree_jax.memory.plan`, for --method/--budget/--mesh, the drafter of --drafter; without --drafter and
-no --method given, the plan is for `ar`); with --device_gb also whether it fits that much memory, the largest
-batch at --max_len and the longest context at --batch_size.
+loading (`ddtree_jax.memory.plan`, for --method/--budget/--mesh, the drafter of --drafter); with --device_gb also
+whether it fits that much memory, the largest batch at --max_len and the longest context at --batch_size.
+--method=auto (the default) plans for the candidate that needs the most memory (`cost_table.largest`) among those of
+the calibration.json beside a local --drafter, else among ddtree-calibrate's default candidates; without --drafter
+auto is `ar`.
 
 "machine" (--machine, the default) describes this machine's devices and whether that plan (or, without
 --batch_size/--max_len, batch 1 at a context of min(8192, the model's)) fits them, with the --mesh and the
@@ -20,11 +22,12 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from absl import flags
 
-from ddtree_jax import machine, memory
+from ddtree_jax import cost_table, engine, machine, memory
 from ddtree_jax.config import DFlashConfig, KimiConfig, check_pair, load_dflash_config, load_kimi_config
 from ddtree_jax.errors import UserError, run_app
 from ddtree_jax.hub import resolve_checkpoint
@@ -38,8 +41,13 @@ flags.DEFINE_string(
 flags.DEFINE_integer("batch_size", None, "Batch for the memory plan (with --max_len).")
 flags.DEFINE_integer("max_len", None, "Context (prompt + new tokens) for the memory plan (with --batch_size).")
 flags.DEFINE_integer("prompt_len", None, "Prompt length the plan's prefill runs over; default: all of --max_len.")
-flags.DEFINE_enum("method", "ddtree", ["ar", "dflash", "ddtree"], "Decoding method of the plan (ar without --drafter).")
-flags.DEFINE_integer("budget", 16, "DDTree node budget of the plan.")
+flags.DEFINE_enum(
+    "method",
+    "auto",
+    ["auto", "ar", "dflash", "ddtree"],
+    "Decoding method of the plan; auto: its largest candidate (ar without --drafter).",
+)
+flags.DEFINE_integer("budget", engine.DEFAULT_BUDGET, "DDTree node budget of the plan (--method=ddtree).")
 flags.DEFINE_string("mesh", None, 'Mesh of the plan, e.g. "expert=8"; default: one device.')
 flags.DEFINE_float("device_gb", None, "Free memory per device (GB) to check the plan against.")
 flags.DEFINE_bool("machine", True, "Check the plan against this machine's devices (count, kind, memory).")
@@ -48,21 +56,45 @@ flags.mark_flag_as_required("target")
 MACHINE_CONTEXT = 8192  # the context of the machine check when no --max_len is given
 
 
-def plan_method() -> str:
-    """--method, except `ar` when no --drafter is given and --method was left at its default."""
-    if FLAGS.method != "ar" and not FLAGS.drafter:
-        if FLAGS["method"].present:
-            raise UserError(f"--method={FLAGS.method} needs --drafter")
-        return "ar"
-    return FLAGS.method
+class Planned(NamedTuple):
+    """The program the plan is for, and why when --method alone does not say it."""
+
+    method: str
+    budget: int
+    note: str | None
 
 
-def memory_report(target: KimiConfig, drafter: DFlashConfig | None) -> dict:
+def check_method() -> None:
+    """--method and --budget that cannot go together, before anything is read; raises `UserError`."""
+    if FLAGS.method in ("dflash", "ddtree") and not FLAGS.drafter:
+        raise UserError(f"--method={FLAGS.method} needs --drafter")
+    if FLAGS.method == "auto" and FLAGS["budget"].present:
+        raise UserError("--method=auto chooses the budget: pass --budget with --method=ddtree")
+
+
+def planned(drafter_path: Path | None, drafter: DFlashConfig | None) -> Planned:
+    """--method at --budget; auto: `ar` without a drafter, else the candidate needing the most memory among the
+    drafter's calibration.json (drafter_path: its directory or config.json), else ddtree-calibrate's defaults."""
+    if FLAGS.method != "auto":
+        return Planned(FLAGS.method, FLAGS.budget, None)
+    if drafter is None:
+        return Planned("ar", FLAGS.budget, "--method=auto without --drafter is ar")
+    table = (drafter_path.parent if drafter_path.is_file() else drafter_path) / cost_table.FILE_NAME
+    if table.is_file():
+        candidates, source = cost_table.CostTable.load(table).candidates, str(table)
+    else:
+        candidates, source = tuple(map(cost_table.Candidate.parse, cost_table.DEFAULT_CANDIDATES)), "default"
+    top = cost_table.largest(candidates, drafter.num_draft)
+    note = f"--method=auto: planned for its largest candidate, {top.name} ({source} candidates)"
+    return Planned(top.method, top.spec_budget, note)
+
+
+def memory_report(target: KimiConfig, drafter: DFlashConfig | None, program: Planned) -> dict:
     """The "plan" entry: `memory.plan(...).to_dict()`, plus fits / largest_batch / longest_context for
     --device_gb."""
     kw = {
-        "method": plan_method(),
-        "budget": FLAGS.budget,
+        "method": program.method,
+        "budget": program.budget,
         "layout": memory.Layout.from_spec(FLAGS.mesh) if FLAGS.mesh else memory.Layout(),
     }
     p = memory.plan(target, drafter, batch=FLAGS.batch_size, max_len=FLAGS.max_len, prompt_len=FLAGS.prompt_len, **kw)
@@ -82,12 +114,12 @@ def memory_report(target: KimiConfig, drafter: DFlashConfig | None) -> dict:
     return report
 
 
-def machine_report(target: KimiConfig, drafter: DFlashConfig | None) -> dict[str, Any]:
+def machine_report(target: KimiConfig, drafter: DFlashConfig | None, program: Planned) -> dict[str, Any]:
     """The "machine" entry (`machine.report`) for the plan's run, or batch 1 at MACHINE_CONTEXT when no plan
     was asked for."""
     max_len = FLAGS.max_len or min(MACHINE_CONTEXT, target.max_position_embeddings)
     run = {"batch": FLAGS.batch_size or 1, "max_len": max_len, "prompt_len": FLAGS.prompt_len}
-    run |= {"method": plan_method(), "budget": FLAGS.budget}
+    run |= {"method": program.method, "budget": program.budget}
     return machine.report(machine.local_devices(), target, drafter, mesh=FLAGS.mesh, **run)
 
 
@@ -130,12 +162,12 @@ def plan_text(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
-def human_summary(out: dict[str, Any]) -> str:
+def human_summary(out: dict[str, Any], note: str | None) -> str:
     lines = sizes_text(out)
     if "plan" in out:
         lines += plan_text(out["plan"])
-        if plan_method() != FLAGS.method:
-            lines.append(f"                no --drafter: planned for --method=ar, not {FLAGS.method}")
+        if note is not None:
+            lines.append(f"                {note}")
     if "machine" in out:
         lines += machine.report_text(out["machine"])
     return "\n".join(lines)
@@ -148,18 +180,20 @@ def main(argv: Sequence[str]) -> None:
         raise UserError("--batch_size and --max_len go together")
     if any(v is not None and v < 1 for v in (FLAGS.batch_size, FLAGS.max_len)) or FLAGS.budget < 1:
         raise UserError("--batch_size, --max_len and --budget must be >= 1")
-    plan_method()  # a --method that needs a drafter fails before anything is read
+    check_method()
     target = load_kimi_config(resolve_checkpoint(FLAGS.target, ("config.json",)))
-    drafter = load_dflash_config(resolve_checkpoint(FLAGS.drafter, ("config.json",))) if FLAGS.drafter else None
+    drafter_path = resolve_checkpoint(FLAGS.drafter, ("config.json",)) if FLAGS.drafter else None
+    drafter = load_dflash_config(drafter_path) if drafter_path else None
     if drafter is not None:
         check_pair(target, drafter)
+    program = planned(drafter_path, drafter)
     out: dict[str, Any] = model_sizes(target)
     if FLAGS.batch_size is not None:
-        out["plan"] = memory_report(target, drafter)
+        out["plan"] = memory_report(target, drafter, program)
     if FLAGS.machine:
-        out["machine"] = machine_report(target, drafter)
+        out["machine"] = machine_report(target, drafter, program)
     print(json.dumps(out, indent=2))
-    print(human_summary(out), file=sys.stderr)
+    print(human_summary(out, program.note), file=sys.stderr)
 
 
 def run() -> None:

@@ -168,7 +168,7 @@ class OutputWriter:
         last = len(self._rank)
         ordered = sorted(self._records.values(), key=lambda r: self._rank.get(r["id"], last))
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ordered)
-        _atomic_write(self.path, text.encode("utf-8"))
+        atomic_write(self.path, text.encode("utf-8"))
 
 
 def _umask() -> int:
@@ -177,7 +177,8 @@ def _umask() -> int:
     return mask
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` at once: a temp file beside it, fsynced, renamed over it (no partial file)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -16,6 +16,7 @@ import os
 from absl import flags
 from tqdm import tqdm
 
+from ddtree_jax.calibration import at_length
 from ddtree_jax.errors import UserError, run_app
 from experiments import common, workload
 
@@ -63,7 +64,7 @@ def main(_) -> None:
         raise UserError(f"--chunks must be >= 0 and --budgets >= 1, got {chunks} and {budgets}")
     gen = Generator.load(FLAGS.target, FLAGS.drafter)
     base, source = workload.load_prompts(gen, FLAGS.prompts, FLAGS.num_prompts)
-    batches = [[p] for p in workload.at_length(base, FLAGS.context, FLAGS.num_prompts)]
+    batches = [[p] for p in at_length(base, FLAGS.context, FLAGS.num_prompts)]
     depth = gen.drafter.config.num_draft
     default = Kernels.from_env().topk_chunk
     settings = [("ar", 1, default), ("dflash", depth, default)]

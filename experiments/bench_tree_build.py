@@ -28,6 +28,7 @@ from jax.experimental.pallas import next_power_of_2 as pl_next_pow2
 from tqdm import tqdm
 
 from ddtree_jax import topk
+from ddtree_jax.calibration import at_length
 from ddtree_jax.errors import run_app
 from experiments import common, workload
 from pallas_kernels.dispatch import TOPK_CHUNK
@@ -160,7 +161,7 @@ def e2e_records(gen, meta: dict) -> list[dict]:
     """Generation at concurrency 1 with each build (the Generator keeps one program per kernel selection); AR and
     the chain with the Pallas build selected."""
     base, _ = workload.load_prompts(gen, FLAGS.prompts, 1)
-    prompts = workload.at_length(base, FLAGS.context, 1)
+    prompts = at_length(base, FLAGS.context, 1)
     depth = gen.drafter.config.num_draft
     kw = lambda impl, m, b: {
         "method": m,

@@ -23,6 +23,7 @@ import statistics
 from absl import flags
 from tqdm import tqdm
 
+from ddtree_jax.calibration import at_length
 from ddtree_jax.errors import run_app
 from experiments import common, device_profile, workload
 
@@ -70,7 +71,7 @@ def main(_) -> None:
 
     gen = Generator.load(FLAGS.target, FLAGS.drafter, exact=FLAGS.exact)
     base, source = workload.load_prompts(gen, FLAGS.prompts, FLAGS.concurrency)
-    prompts = workload.at_length(base, FLAGS.context, FLAGS.concurrency)
+    prompts = at_length(base, FLAGS.context, FLAGS.concurrency)
     depth = gen.drafter.config.num_draft
     runs = [("ar", 1), ("dflash", depth)] + [("ddtree", int(b)) for b in FLAGS.budgets]
     runs = [(m, b) for m, b in runs if m in FLAGS.methods]

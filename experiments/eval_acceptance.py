@@ -61,7 +61,7 @@ def main(argv: Sequence[str]) -> None:
     check_held_out([r["id"] for r in rows], Path(FLAGS.target))
     prompts = [gen.tokenizer.encode(r["prompt"]) for r in rows]
     if FLAGS.context:
-        from experiments.workload import at_length
+        from ddtree_jax.calibration import at_length
 
         prompts = at_length(prompts, FLAGS.context, len(prompts))
     runs = [("ar", 1), ("dflash", 1)] + [("ddtree", int(b)) for b in FLAGS.budgets]

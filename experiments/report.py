@@ -27,7 +27,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("results_dir", str(common.RESULTS_DIR), "where the JSON records are; REPORT.md goes here too")
 
 SWEEP_COLS = ["method", "budget", "concurrency", "context", "tokens_per_round", "tokens_per_s"]
-SWEEP_COLS += ["tokens_per_s_per_request", "speedup", "correct", "rows_identical"]
+SWEEP_COLS += ["tokens_per_s_per_request", "speedup", "chosen", "correct", "rows_identical"]
 BREAKDOWN_PARTS = ("draft", "tree", "verify", "accept", "step", "other", "idle")
 PUBLISHED = [
     {
@@ -123,6 +123,8 @@ def concurrency_section(p: dict, d: Path) -> list[str]:
         for budget in sorted({r["budget"] for r in by_method(recs, method)}):
             rs = [r for r in by_method(recs, method) if r["budget"] == budget]
             ax.plot([r["concurrency"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"{method} b={budget}")
+    if auto := by_method(recs, "auto"):
+        ax.plot([r["concurrency"] for r in auto], [r["speedup"] for r in auto], "k*-", label="auto")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     concs = sorted({r["concurrency"] for r in recs})
@@ -230,6 +232,23 @@ def bench_round_section(p: dict) -> list[str]:
         ),
     ]
     return out
+
+
+def auto_section(sweeps: list[dict]) -> list[str]:
+    """`auto` in every sweep cell: what it chose, its speedup over AR and its rate against the best fixed method."""
+    auto = [r for p in sweeps for r in p["records"] if r["method"] == "auto"]
+    if not auto:
+        return []
+    slower = [r for r in auto if r["speedup"] < 1]
+    off = [r for r in auto if r["vs_best"] < 0.95]
+    cols = ["axis", "concurrency", "context", "chosen", "tokens_per_round", "speedup", "vs_best", "correct"]
+    return [
+        "## auto: the program chosen per batch from the cost table",
+        f"`auto` is at least AR's rate in {len(auto) - len(slower)} of {len(auto)} cells (lowest "
+        f"{min(r['speedup'] for r in auto):.2f}x) and within 5% of the best fixed method in {len(auto) - len(off)} "
+        f"(lowest {min(r['vs_best'] for r in auto):.2f} of it). `vs_best`: auto's tok/s / the best fixed method's.",
+        common.markdown_table(auto, cols),
+    ]
 
 
 def losses_section(sweeps: list[dict], bench: dict | None, window: int) -> list[str]:
@@ -480,6 +499,7 @@ def build(d: Path) -> Path:
     from ddtree_jax.api import trained_context
 
     window = trained_context(SHIPPED_TARGET) or 0  # the shipped target's training window (its manifest)
+    parts += auto_section([p for p in sweeps.values() if p])
     parts += losses_section([p for p in sweeps.values() if p], bench, window)
     parts += correctness_section([p for p in sweeps.values() if p], d, window)
     parts += kernel_section(d)

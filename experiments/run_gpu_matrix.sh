@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The whole experiment matrix in one command on one H200 (the stage caps below sum to about 12 minutes; a device
+# The whole experiment matrix in one command on one H200 (the stage caps below sum to about 16 minutes; a device
 # call is at most 10, so pick stages with STAGES=...):
-#   1. sweeps over budget and concurrency on the shipped pair (one process: compilations shared)
+#   1. sweeps over budget and concurrency on the shipped pair (one process: compilations shared), `auto` beside the
+#      fixed methods in every cell; without a calibration.json beside the drafter each sweep process first measures
+#      auto's cost table over its own grid (sweep_<axes>_calibration.json)
 #   2. round-time breakdown   3. full-size cost model (bench_round, BENCH_LAYERS real-size layers)   4. context sweep
 #   5. float32 exactness at long context (sweep_context_float32)
 #   6. tree build: Pallas kernel vs plain JAX, top-k variants (bench_tree_build)   7. REPORT.md + plots
@@ -30,10 +32,10 @@ PY=${PYTHON:-.venv/bin/python}
 # The device tool returns at most 8 files from $OUT: with OUT set, the stages write to a scratch folder and what
 # they wrote (records, profiles, REPORT.md) comes back packed as $OUT/results.tgz, also when a stage is cut short.
 if [ -n "${OUT:-}" ]; then RES=$(mktemp -d); else RES=experiments/results; fi
-SWEEP_S=${SWEEP_S:-150}
+SWEEP_S=${SWEEP_S:-300}
 BREAKDOWN_S=${BREAKDOWN_S:-60}
 BENCH_S=${BENCH_S:-150}
-CONTEXT_S=${CONTEXT_S:-50}
+CONTEXT_S=${CONTEXT_S:-120}
 EXACT_S=${EXACT_S:-120}
 BENCH_LAYERS=${BENCH_LAYERS:-4}  # the projection scales one measured MoE layer to 61; 0: as many as fit
 TREE_S=${TREE_S:-200}

@@ -1,4 +1,4 @@
-"""The DDTree benchmark matrix on a model pair, one axis at a time: AR vs the DFlash chain vs DDTree.
+"""The DDTree benchmark matrix on a model pair, one axis at a time: AR vs the DFlash chain vs DDTree vs `auto`.
 
     python -m experiments.sweep --axis=budget        # DDTree budgets {4..64} (--budgets) at concurrency 1
     python -m experiments.sweep --axis=concurrency   # batch {1..128}, DDTree at --axis_budgets
@@ -15,17 +15,26 @@ tokens_per_round the acceptance length (committed tokens per round, bonus includ
 in the same run at the same (B, context); `correct` says the greedy outputs equal AR's token for token.
 Results are rewritten after every (B, context) point to <out_dir>/sweep_<axis>.json and .md (sweep_<axis>_float32.* with
 --dtype=float32, so an exactness run never overwrites the bf16 matrix).
+
+`auto` (`Generator.generate(method="auto")`) runs beside the fixed methods at every cell: its row's `chosen` names
+the programs it picked (one per batch, from the untimed run) and `vs_best` its tokens/s over the best fixed method's
+in the cell. Its cost table is --calibration, else calibration.json beside --drafter, else measured first in this
+process over the sweep's own grid (every concurrency x context of the axes, the fixed methods as candidates;
+`ddtree_jax.calibration`) and written to <out_dir>/sweep_<axes>_calibration.json (axes joined by _, then the dtype
+outside bf16, as the records are named).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 from absl import flags
 from tqdm import tqdm
 
+from ddtree_jax.calibration import at_length
 from ddtree_jax.errors import run_app
 from experiments import common, workload
 
@@ -44,7 +53,12 @@ flags.DEFINE_integer("num_prompts", 5, "prompt rows per cell, cycling the file's
 flags.DEFINE_integer("repeats", 3, "timed runs per batch (median)")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per row")
 flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens even past a stop token")
-flags.DEFINE_list("methods", ["ar", "dflash", "ddtree"], "methods per cell (ar always runs: it is the reference)")
+flags.DEFINE_list(
+    "methods", ["ar", "dflash", "ddtree", "auto"], "methods per cell (ar always runs: it is the reference)"
+)
+flags.DEFINE_string(
+    "calibration", "", "auto's cost table (default: calibration.json beside --drafter, else measured here first)"
+)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and activations of both models")
 flags.DEFINE_integer(
     "compile_workers", min(8, os.cpu_count() or 1), "threads compiling all cells' programs up front (1: one by one)"
@@ -62,6 +76,8 @@ COLUMNS = [
     "tokens_per_s",
     "tokens_per_s_per_request",
     "speedup",
+    "chosen",
+    "vs_best",
     "correct",
     "rows_identical",
     "wall_s",
@@ -75,7 +91,10 @@ def clamp_context(requested: int, max_pos: int, max_new: int, depth: int) -> int
     return min(requested, limit)
 
 
-def _gen_kwargs(method: str, budget: int) -> dict:
+def _gen_kwargs(method: str, budget: int | None) -> dict:
+    """`generate`'s keywords for a cell's method; the budget only for ddtree (a record's budget of ar and the chain
+    is a label), so that auto's choice runs the very program of the fixed method it picked."""
+    budget = budget if method == "ddtree" else None
     return {"method": method, "budget": budget, "max_new_tokens": FLAGS.max_new_tokens, "ignore_eos": FLAGS.ignore_eos}
 
 
@@ -95,7 +114,7 @@ class Group(NamedTuple):
     context: int
     requested: int
     batches: list[list[list[int]]]
-    methods: list[tuple[str, int]]
+    methods: list[tuple[str, int | None]]  # (method, budget); auto's budget is None (it chooses)
 
 
 def plan_axis(gen, axis: str, base: list[list[int]], depth: int) -> list[Group]:
@@ -104,6 +123,7 @@ def plan_axis(gen, axis: str, base: list[list[int]], depth: int) -> list[Group]:
     methods = [("ar", 1)]
     methods += [("dflash", depth)] if "dflash" in FLAGS.methods else []
     methods += [("ddtree", b) for b in budgets] if "ddtree" in FLAGS.methods else []
+    methods += [("auto", None)] if "auto" in FLAGS.methods else []
     max_pos = gen.target_config.max_position_embeddings
     groups, seen = [], set()
     for conc, requested in cells(axis):
@@ -112,15 +132,47 @@ def plan_axis(gen, axis: str, base: list[list[int]], depth: int) -> list[Group]:
             continue
         seen.add((conc, ctx))
         n_rows = conc * math.ceil(max(FLAGS.num_prompts, 1) / conc)
-        rows = workload.at_length(base, ctx, n_rows)
+        rows = at_length(base, ctx, n_rows)
         batches = [rows[i : i + conc] for i in range(0, n_rows, conc)]
         groups.append(Group(conc, ctx, requested, batches, methods))
     return groups
 
 
 def group_specs(gen, group: Group) -> list:
-    """The compiled programs a group runs (one per method and batch shape)."""
-    return [gen.spec_for(b, temperature=0.0, **_gen_kwargs(m, bud)) for m, bud in group.methods for b in group.batches]
+    """The compiled programs a group's fixed methods run (one per method and batch shape); auto runs one of them,
+    or compiles its choice in its untimed run."""
+    fixed = [(m, bud) for m, bud in group.methods if m != "auto"]
+    return [gen.spec_for(b, temperature=0.0, **_gen_kwargs(m, bud)) for m, bud in fixed for b in group.batches]
+
+
+def calibrate(gen, plans: dict[str, list[Group]], base: list[list[int]]):
+    """auto's cost table measured over the planned cells' concurrencies x contexts, the fixed methods as
+    candidates, rows cut from the sweep's prompts (`calibration.measure`); written to sweep_<axes>_calibration.json."""
+    from ddtree_jax.calibration import measure
+    from ddtree_jax.cost_table import Candidate
+
+    groups = [g for gs in plans.values() for g in gs]
+    fixed = dict.fromkeys((m, b) for g in groups for m, b in g.methods if m != "auto")
+    candidates = [Candidate(m, b if m == "ddtree" else None) for m, b in fixed]
+    batches, contexts = sorted({g.concurrency for g in groups}), sorted({g.context for g in groups})
+    with tqdm(total=len(batches) * len(contexts) * len(candidates), desc="calibrate auto") as bar:
+        table = measure(
+            gen,
+            base,
+            candidates=candidates,
+            batches=batches,
+            contexts=contexts,
+            max_new_tokens=FLAGS.max_new_tokens,
+            repeats=FLAGS.repeats,
+            compile_workers=FLAGS.compile_workers,
+            target=FLAGS.target,
+            drafter=FLAGS.drafter,
+            bar=bar,
+        )
+    out = Path(FLAGS.out_dir or common.RESULTS_DIR) / f"{result_name('_'.join(FLAGS.axis))}_calibration.json"
+    table.save(out)
+    print(f"auto's cost table measured here: {out}")
+    return table
 
 
 def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) -> list[dict]:
@@ -134,8 +186,13 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
         timed = common.time_interleaved(gen, batches, kws, FLAGS.repeats, bar)
         cells_ = [common.cell_stats(gen, firsts, medians) for firsts, medians in timed]
         ar_stats, ar_rows = cells_[0], cells_[0]["rows"]  # plan_axis puts ar first
-        for (method, budget), stats in zip(methods, cells_, strict=True):
+        best_fixed = max(st["tokens_per_s"] for (m, _), st in zip(methods, cells_, strict=True) if m != "auto")
+        for (method, budget), stats, (firsts, _) in zip(methods, cells_, timed, strict=True):
             out_rows = stats.pop("rows")
+            auto = {}
+            if method == "auto":
+                chosen = dict.fromkeys(f.auto.candidate.name for f in firsts)
+                auto = {"chosen": ",".join(chosen), "vs_best": stats["tokens_per_s"] / best_fixed}
             same = [a == b for a, b in zip(ar_rows, out_rows, strict=True)]
             rec = {
                 "axis": axis,
@@ -147,6 +204,7 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
                 "context_clamped": ctx < requested,
                 **stats,
                 "speedup": stats["tokens_per_s"] / ar_stats["tokens_per_s"],
+                **auto,
                 "correct": all(same),
                 "rows_identical": sum(same) / len(same),
                 **config,
@@ -161,7 +219,7 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
 
 
 def result_name(axis: str) -> str:
-    """sweep_<axis>, suffixed with the dtype unless it is bf16 (the matrix's default)."""
+    """sweep_<axis> (axes joined by _), suffixed with the dtype unless it is bf16 (the matrix's default)."""
     return f"sweep_{axis}" + ("" if FLAGS.dtype == "bfloat16" else f"_{FLAGS.dtype}")
 
 
@@ -171,7 +229,10 @@ def main(_) -> None:
     from ddtree_jax import engine
     from ddtree_jax.api import Generator
 
-    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype), exact=FLAGS.exact)
+    calibration = FLAGS.calibration or None
+    gen = Generator.load(
+        FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype), calibration=calibration, exact=FLAGS.exact
+    )
     base, source = workload.load_prompts(gen, FLAGS.prompts, max(FLAGS.num_prompts, 1))
     config = {
         "target": FLAGS.target,
@@ -194,6 +255,11 @@ def main(_) -> None:
     config["precompile_s"] = gen.precompile(specs, FLAGS.compile_workers)
     config["compile_workers"] = FLAGS.compile_workers
     print(f"compiled in {config['precompile_s']:.1f}s")
+    if "auto" in FLAGS.methods:
+        if gen.calibration is None:
+            gen.use_calibration(calibrate(gen, plans, base))
+        gen.calibration.check(**gen.device_identity())
+        config["calibration"] = gen.calibration.source or "measured in this run (sweep_<axes>_calibration.json)"
     meta = common.metadata()
     for axis, groups in plans.items():
         print(common.markdown_table(sweep_axis(gen, axis, groups, config, meta), COLUMNS))

@@ -48,12 +48,3 @@ def load_prompts(gen, path: str | Path, n: int, seed: int = 0) -> tuple[list[lis
     rng = np.random.default_rng(seed)
     high = vocab - 1  # keep the drafter's mask token (the last id) out of prompts
     return [rng.integers(3, high, RANDOM_PROMPT_LEN).tolist() for _ in range(n)], "random token ids"
-
-
-def at_length(prompts: list[list[int]], length: int, n: int) -> list[list[int]]:
-    """`n` prompts of exactly `length` tokens cut from the held-out prompts concatenated (and repeated as needed):
-    row i starts where prompt i % len(prompts) starts, so short lengths give each prompt's own opening."""
-    stream = [t for p in prompts for t in p]
-    starts = np.cumsum([0] + [len(p) for p in prompts[:-1]])
-    long = stream * (2 + length // len(stream))
-    return [long[starts[i % len(prompts)] :][:length] for i in range(n)]

@@ -1,5 +1,5 @@
-"""`--help` of the console scripts (`ddtree-generate`, `ddtree-inspect`: `run()` called from a generated
-`__main__`) lists each script's own flags and its docstring."""
+"""`--help` of the console scripts (`ddtree-generate`, `ddtree-calibrate`, `ddtree-inspect`: `run()` called from a
+generated `__main__`) lists each script's own flags and its docstring."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
             "ddtree_jax.generate",
             ["target", "drafter", "method", "budget", "temperature", "max_new_tokens", "prompts", "output"]
             + ["batch_size", "dtype", "ignore_eos", "seed", "resume", "overwrite", "chat", "mesh"],
+        ),
+        (
+            "ddtree_jax.calibrate",
+            ["target", "drafter", "prompts", "output", "candidates", "batches", "contexts", "max_new_tokens"]
+            + ["repeats", "dtype", "mesh", "compile_workers", "overwrite"],
         ),
         (
             "ddtree_jax.inspect",

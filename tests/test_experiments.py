@@ -50,6 +50,7 @@ def test_sweep_all_axes_then_report(tiny_pair, tmp_path):
         "--axis_budgets=4",
         "--concurrency=1",  # B=1 and context 60 reuse the budget axis' compiled programs
         "--contexts=60,3000",
+        "--methods=ar,dflash,ddtree",  # auto: test_sweep_reports_auto
         "--num_prompts=2",
         "--repeats=1",
         "--max_new_tokens=8",
@@ -95,6 +96,32 @@ def test_sweep_all_axes_then_report(tiny_pair, tmp_path):
     for plot in ("acceptance_vs_budget", "tokens_per_s_vs_budget", "speedup_vs_concurrency", "acceptance_histogram"):
         assert f"plots/{plot}.png" in report and (tmp_path / "plots" / f"{plot}.png").stat().st_size > 0
     assert "bench_round" in report.split("Not present")[-1]  # missing inputs are listed
+
+
+def test_sweep_reports_auto(tiny_pair, tmp_path):
+    """With no cost table beside the drafter the sweep measures one over its own grid first, then runs auto beside
+    the fixed methods in every cell: its row names the program it chose and its rate against the best fixed one."""
+    target, drafter = tiny_pair
+    run(
+        "sweep",
+        "--axis=budget",
+        f"--target={target}",
+        f"--drafter={drafter}",
+        "--budgets=4",
+        "--methods=ar,ddtree,auto",
+        "--num_prompts=1",
+        "--repeats=1",
+        "--max_new_tokens=8",
+        "--ignore_eos",  # the calibration then times the sweep's own programs (and their 1-token twins)
+        f"--out_dir={tmp_path}",
+    )
+    recs = records(tmp_path / "sweep_budget.json")
+    assert [r["method"] for r in recs] == ["ar", "ddtree", "auto"] and all(r["correct"] for r in recs)
+    assert recs[2]["chosen"] in ("ar", "ddtree-4") and recs[2]["vs_best"] > 0 and recs[2]["speedup"] > 0
+    table = json.loads((tmp_path / "sweep_budget_calibration.json").read_text())
+    assert (table["batches"], table["contexts"], list(table["candidates"])) == ([1], [60], ["ar", "ddtree-4"])
+    run("report", f"--results_dir={tmp_path}")
+    assert "## auto: the program chosen per batch" in (tmp_path / "REPORT.md").read_text()
 
 
 def test_breakdown(tiny_pair, tmp_path):

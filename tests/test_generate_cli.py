@@ -136,7 +136,7 @@ def cli(tmp_path: Path) -> Cli:
         ("stop_token_ids", f"5,{VOCAB}", f"--stop_token_ids [{VOCAB}] outside the vocabulary [0, {VOCAB})"),
         ("stop", "", "--stop must not be empty"),
         ("budget", "many", "flag --budget=many"),
-        ("method", "beam", "flag --method=beam: value should be one of <ar|dflash|ddtree>"),
+        ("method", "beam", "flag --method=beam: value should be one of <auto|ar|dflash|ddtree>"),
         ("dtype", "int8", "flag --dtype=int8"),
     ],
 )
@@ -306,7 +306,7 @@ def test_resume_with_everything_done_loads_nothing(cli: Cli) -> None:
 
 def test_large_budget_warns(cli: Cli) -> None:
     cli.write_prompts()  # stop right after the warning, before loading weights
-    proc = cli.run(budget=1000)
+    proc = cli.run(method="ddtree", budget=1000)
     assert "--budget=1000: a round accepts at most block_size=4 tokens" in proc.stderr
     cli.assert_user_error(proc, "no prompts")
 
@@ -326,7 +326,9 @@ class FakeGenerator:
     calls: list[dict] = []
 
     @classmethod
-    def load(cls, target: str, drafter: str | None, dtype: object, mesh: str | None) -> FakeGenerator:
+    def load(
+        cls, target: str, drafter: str | None, dtype: object, mesh: str | None, calibration: str | None
+    ) -> FakeGenerator:
         cls.calls.append({"load": (target, drafter, dtype, mesh)})
         return cls()
 
@@ -340,9 +342,11 @@ class FakeGenerator:
         ]
         texts = ["".join(map(chr, t)) for t in tokens]
         rate = 4.0 * len(prompts)
+        method, budget = kw["method"], kw["budget"] if kw["method"] == "ddtree" else None
         return SimpleNamespace(
-            tokens=tokens, texts=texts, stats=stats, wall_s=0.5, compile_s=0.0, tokens_per_s=rate, batch_rounds=1
-        )
+            tokens=tokens, texts=texts, stats=stats, wall_s=0.5, compile_s=0.0, tokens_per_s=rate, batch_rounds=1,
+            method=method, budget=budget, auto=None,
+        )  # fmt: skip
 
 
 @pytest.fixture
@@ -350,7 +354,10 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> type[FakeGenerator]:
     from ddtree_jax import api
 
     fake_api = SimpleNamespace(
-        Generator=FakeGenerator, padded_prompt_len=api.padded_prompt_len, default_dtype=api.default_dtype
+        Generator=FakeGenerator,
+        padded_prompt_len=api.padded_prompt_len,
+        default_dtype=api.default_dtype,
+        device_identity=api.device_identity,
     )
     monkeypatch.setitem(sys.modules, "ddtree_jax.api", fake_api)
     FakeGenerator.calls = []
@@ -406,20 +413,29 @@ def test_batches_in_input_order_with_resume(
             "finish_reason": "length",
             "est_latency_s": 0.5,  # this request's share of its batch's execution, from its rounds
             "est_tokens_per_s": 4.0,
-            "batch": {"requests": 1, "rounds": 1, "exec_s": 0.5, "tokens_per_s": 4.0},  # labelled as the batch's
+            # labelled as the batch's, with the method that ran (auto: what it chose, else null)
+            "batch": {
+                "requests": 1,
+                "rounds": 1,
+                "exec_s": 0.5,
+                "tokens_per_s": 4.0,
+                "method": "dflash",
+                "budget": None,
+                "auto": None,
+            },
         },
     }
     out, err = capsys.readouterr()
     assert "5/5" in err and "tok/s aggregate (exec)" in err
     head, row = out.splitlines()
-    for label in ("aggregate tok/s (exec)", "per-request tok/s (median, est.)", "exec s", "compile s", "wall s"):
+    for label in ("method", "aggregate tok/s (exec)", "per-request tok/s (median, est.)", "exec s", "compile s"):
         assert label in head
-    assert row.split()[:8] == ["5", "10", "5", "2.00", "6.7", "4.0", "1.50", "0.00"]  # 10 tokens over 3 x 0.5 s
+    assert row.split()[:9] == ["dflash", "5", "10", "5", "2.00", "6.7", "4.0", "1.50", "0.00"]  # 10 tokens, 3 x 0.5 s
 
 
 def test_default_dtype_is_float32_on_a_cpu(cli: Cli, fake_engine: type[FakeGenerator]) -> None:
     cli.write_prompts({"id": "a", "prompt_ids": [1, 2]})
-    run_in_process(cli, "--max_new_tokens=8")
+    run_in_process(cli, "--method=ddtree", "--max_new_tokens=8")
     import jax.numpy as jnp
 
     assert fake_engine.calls[0]["load"][2] == jnp.float32
@@ -427,7 +443,7 @@ def test_default_dtype_is_float32_on_a_cpu(cli: Cli, fake_engine: type[FakeGener
 
 def test_sampling_and_stop_flags_reach_generate(cli: Cli, fake_engine: type[FakeGenerator]) -> None:
     extra = ["--temperature=0.5", "--top_k=5", "--top_p=0.9", "--stop_token_ids=7,9", "--stop=ab", "--stop=\n\n"]
-    run_in_process(cli, *extra, "--ignore_eos", "--max_new_tokens=5")
+    run_in_process(cli, *extra, "--method=ddtree", "--ignore_eos", "--max_new_tokens=5")
     _, *gens = fake_engine.calls
     want = {"top_k": 5, "top_p": 0.9, "stop_token_ids": [7, 9], "stop_strings": ["ab", "\n\n"], "ignore_eos": True}
     assert all({k: g[k] for k in want} == want for g in gens)

@@ -128,7 +128,7 @@ def test_cli_prints_the_memory_plan():
 
     target, drafter = RELEASED_CONFIGS / "kimi-k2.6", RELEASED_CONFIGS / "kimi-k2.5-dflash"
     args = ["--batch_size=4", "--max_len=8192", "--prompt_len=1024", "--mesh=expert=8", "--device_gb=141"]
-    out = _cli(f"--target={target}", f"--drafter={drafter}", *args, "--nomachine")
+    out = _cli(f"--target={target}", f"--drafter={drafter}", "--method=ddtree", *args, "--nomachine")
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     plan = got.pop("plan")
@@ -150,7 +150,29 @@ def test_cli_plan_without_drafter_is_ar():
     out = _cli(f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}", "--batch_size=1", "--max_len=1024", "--nomachine")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["plan"]["method"] == "ar"
-    assert "no --drafter: planned for --method=ar, not ddtree" in out.stderr
+    assert "--method=auto without --drafter is ar" in out.stderr
+
+
+def test_cli_auto_plans_its_largest_candidate(tmp_path):
+    """--method=auto (the default) plans for the candidate verifying the most tokens: of ddtree-calibrate's
+    defaults, or of the calibration.json beside the drafter."""
+    from test_auto import make_table
+
+    target, drafter = RELEASED_CONFIGS / "kimi-k2.6", tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_bytes((RELEASED_CONFIGS / "kimi-k2.5-dflash" / "config.json").read_bytes())
+    args = [f"--target={target}", f"--drafter={drafter}", "--batch_size=1", "--max_len=1024", "--nomachine"]
+    out = _cli(*args)
+    assert out.returncode == 0, out.stderr
+    assert (json.loads(out.stdout)["plan"]["method"], json.loads(out.stdout)["plan"]["budget"]) == ("ddtree", 32)
+    assert "--method=auto: planned for its largest candidate, ddtree-32 (default candidates)" in out.stderr
+    make_table(("ar", "dflash", "ddtree-4")).save(drafter / "calibration.json")
+    out = _cli(*args)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["plan"]["method"] == "dflash"  # 1 + D = 8 tokens verified, more than 1 + 4
+    assert _cli(*args, "--budget=8").stderr.strip() == (
+        "error: --method=auto chooses the budget: pass --budget with --method=ddtree"
+    )
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])

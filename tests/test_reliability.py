@@ -62,7 +62,8 @@ class Run:
             "prompts": self.prompts,
             "output": self.output,
         }
-        args |= {"max_new_tokens": 6, "batch_size": 2, "dtype": "float32", "ignore_eos": True} | overrides
+        args |= {"method": "ddtree", "max_new_tokens": 6, "batch_size": 2, "dtype": "float32", "ignore_eos": True}
+        args |= overrides
         return [f"--{k}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no'}{k}" for k, v in args.items()]
 
     def in_process(self, capsys: pytest.CaptureFixture, **overrides: object) -> tuple[int, str]:

@@ -1,0 +1,106 @@
+"""Measure a cost table (`cost_table.CostTable`) with a Generator: the round time of every candidate program at
+every (batch, context) of a grid, and each candidate's acceptance.
+
+At each grid point the rows are `batch` prompts of `context` tokens cut from the held-out prompts' token stream
+(`at_length`). A candidate's round time there is (wall of a run to max_new_tokens - wall of a 1-token run, which is
+the prefill) / the rounds the run took, the walls being medians of `repeats` runs (compilation excluded; every
+program is compiled up front, the candidates' runs interleaved so drift falls on all alike; stop tokens ignored, so
+every row runs max_new_tokens). Its acceptance is the tokens it committed per round over all those grid runs at
+temperature 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from absl import logging
+from tqdm import tqdm
+
+from ddtree_jax.cost_table import Candidate, CostTable
+
+if TYPE_CHECKING:
+    from ddtree_jax.api import Generator
+
+MIN_ROUND_MS = 1e-3  # a round time lost in timing noise (wall difference <= 0) is recorded as 1 us
+
+
+def at_length(prompts: Sequence[Sequence[int]], length: int, n: int) -> list[list[int]]:
+    """`n` prompts of exactly `length` tokens cut from `prompts` concatenated (and repeated as needed): row i starts
+    where prompt i % len(prompts) starts, so short lengths give each prompt's own opening."""
+    stream = [t for p in prompts for t in p]
+    starts = np.cumsum([0] + [len(p) for p in prompts[:-1]])
+    long = stream * (2 + length // len(stream))
+    return [long[starts[i % len(prompts)] :][:length] for i in range(n)]
+
+
+def measure(
+    gen: Generator,
+    prompts: Sequence[Sequence[int]],
+    *,
+    candidates: Sequence[Candidate],
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    max_new_tokens: int,
+    repeats: int,
+    compile_workers: int,
+    target: str,
+    drafter: str,
+    bar: tqdm | None = None,
+) -> CostTable:
+    """The cost table of `candidates` on `gen` over batches x contexts (each sorted), rows cut from `prompts` (token
+    ids; held-out text), runs of max_new_tokens (>= 2) against 1-token runs. `target` / `drafter` name the
+    checkpoints in the table. `bar` advances once per (grid point, candidate)."""
+    if gen.drafter is None and any(c.method != "ar" for c in candidates):
+        raise ValueError("candidates other than ar need the Generator's drafter")
+    if max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be >= 2 (a round past the prefill), got {max_new_tokens}")
+    batches, contexts = sorted(set(batches)), sorted(set(contexts))
+    runs = {
+        c.name: {n: {"method": c.method, "budget": c.spec_budget, "max_new_tokens": n} for n in (max_new_tokens, 1)}
+        for c in candidates
+    }
+    settings = {"temperature": 0.0, "ignore_eos": True}
+    grid = {(b, ctx): at_length(prompts, ctx, b) for b in batches for ctx in contexts}
+    specs = [gen.spec_for(rows, **kw, **settings) for rows in grid.values() for r in runs.values() for kw in r.values()]
+    if bar is not None:
+        bar.set_postfix_str(f"compiling {len(set(specs))} programs")
+    gen.precompile(specs, compile_workers)
+    round_ms = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
+    committed, rounds = dict.fromkeys(round_ms, 0.0), dict.fromkeys(round_ms, 0)
+    for (b, ctx), rows in grid.items():
+        iterations = {}
+        for name, r in runs.items():  # warm-up; the acceptance comes from these runs
+            first = gen.generate(rows, **r[max_new_tokens], **settings)
+            gen.generate(rows, **r[1], **settings)
+            iterations[name] = first.batch_rounds
+            committed[name] += sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
+            rounds[name] += sum(st["rounds"] for st in first.stats)
+        walls = {name: {n: [] for n in r} for name, r in runs.items()}
+        for _ in range(repeats):
+            for name, r in runs.items():
+                for n, kw in r.items():
+                    walls[name][n].append(gen.generate(rows, **kw, **settings).wall_s)
+        for name, w in walls.items():
+            diff = statistics.median(w[max_new_tokens]) - statistics.median(w[1])
+            ms = diff * 1e3 / max(iterations[name], 1)
+            if ms < MIN_ROUND_MS:
+                logging.warning("%s at batch %d, context %d: round time %.4f ms lost in noise", name, b, ctx, ms)
+            round_ms[name][batches.index(b), contexts.index(ctx)] = max(ms, MIN_ROUND_MS)
+            if bar is not None:
+                bar.set_postfix_str(f"batch {b}, context {ctx}")
+                bar.update()
+    return CostTable(
+        **gen.device_identity(),
+        jax_version=jax.__version__,
+        target=target,
+        drafter=drafter,
+        batches=tuple(batches),
+        contexts=tuple(contexts),
+        round_ms={n: tuple(tuple(float(v) for v in row) for row in g) for n, g in round_ms.items()},
+        tokens_per_round={n: committed[n] / rounds[n] if rounds[n] and n != "ar" else 1.0 for n in round_ms},
+        settings={"max_new_tokens": max_new_tokens, "repeats": repeats, "kernels": repr(specs[0].kernels)},
+    )

@@ -1,0 +1,221 @@
+"""The cost table `method="auto"` chooses by, and the choice.
+
+A table holds, for each candidate program (`ar`, the DFlash chain `dflash`, DDTree at a node budget `ddtree-<b>`),
+its round time in ms at a grid of batch sizes x contexts (prompt tokens), measured on one machine
+(`ddtree-calibrate`, `ddtree_jax.calibration`), and its acceptance: tokens committed per round (`ar`: 1).
+
+For a batch of B rows whose longest prompt has C tokens, `CostTable.choose` picks the candidate with the highest
+expected rate B x tokens_per_round / round_ms(B, C): round_ms interpolated linearly in batch and in context between
+grid points, clamped at the grid's ends; tokens_per_round as `Acceptance` has it (the running mean of what the
+candidate committed so far, starting from the table's). The table is JSON (`calibration.json`, next to the drafter
+by default) and names the device kind and count, the dtype, the exact switch, the jax version and the pair it was
+measured with; a table from another device, dtype or switch setting is refused (`CostTable.check`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddtree_jax.engine import DEFAULT_BUDGET, METHODS, GenSpec, tree_size
+from ddtree_jax.errors import UserError
+from ddtree_jax.prompts import atomic_write
+
+FILE_NAME = "calibration.json"  # the table's name beside the drafter checkpoint
+FORMAT = "ddtree-cost-table/1"
+DEFAULT_CANDIDATES = ("ar", "dflash", "ddtree-4", "ddtree-8", "ddtree-16", "ddtree-32")
+FROM_TABLE, NO_DRAFTER = "cost table", "no drafter"  # a `Choice`'s reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A program `auto` may run: a method and, for ddtree only, its node budget."""
+
+    method: str
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"candidate method {self.method!r} not one of {METHODS}")
+        if (self.method == "ddtree") != (self.budget is not None) or (self.budget is not None and self.budget < 1):
+            raise ValueError(f"a ddtree candidate takes a budget >= 1 (ddtree-8), ar and dflash none: {self}")
+
+    @property
+    def name(self) -> str:
+        """ "ar", "dflash" or "ddtree-<budget>"."""
+        return self.method if self.budget is None else f"{self.method}-{self.budget}"
+
+    @property
+    def spec_budget(self) -> int:
+        """The `GenSpec.budget` of its program (unused by ar and dflash)."""
+        return DEFAULT_BUDGET if self.budget is None else self.budget
+
+    @classmethod
+    def parse(cls, name: str) -> Candidate:
+        """ "ar", "dflash" or "ddtree-<budget>" -> the candidate; a ValueError otherwise."""
+        method, dash, budget = name.strip().partition("-")
+        if dash and not budget.isdigit():
+            raise ValueError(f"candidate {name!r}: not ar, dflash or ddtree-<budget>")
+        return cls(method, int(budget) if dash else None)
+
+
+def largest(candidates: Sequence[Candidate], num_draft: int) -> Candidate:
+    """The candidate verifying the most tokens per round (`engine.tree_size`): the one whose run needs the most
+    memory (`memory.plan`)."""
+    return max(candidates, key=lambda c: tree_size(GenSpec(c.method, 1, 1, 1, budget=c.spec_budget), num_draft))
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What `auto` ran for one batch, and why."""
+
+    candidate: Candidate
+    batch: int  # the program's (padded) batch size
+    context: int  # the batch's longest prompt, in tokens
+    expected_tokens_per_s: Mapping[str, float]  # each candidate's expected aggregate rate; empty without a table
+    reason: str  # FROM_TABLE, or NO_DRAFTER (auto is then ar)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chosen": self.candidate.name,
+            "reason": self.reason,
+            "batch": self.batch,
+            "context": self.context,
+            "expected_tokens_per_s": dict(self.expected_tokens_per_s),
+        }
+
+
+def _segment(grid: Sequence[int], x: float) -> tuple[int, int, float]:
+    """(i, j, w): x lies between grid[i] and grid[j] with weight w on grid[j]; outside the grid, its nearest end."""
+    if x <= grid[0]:
+        return 0, 0, 0.0
+    if x >= grid[-1]:
+        return len(grid) - 1, len(grid) - 1, 0.0
+    j = bisect.bisect_right(grid, x)
+    return j - 1, j, (x - grid[j - 1]) / (grid[j] - grid[j - 1])
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Each candidate's round time in ms, `[len(batches)][len(contexts)]`, and tokens per round, keyed by
+    candidate name in the order measured; and what they were measured with."""
+
+    device_kind: str  # jax's `device_kind` of the devices, e.g. "NVIDIA H200" or "cpu"
+    device_count: int  # devices the programs ran on
+    dtype: str  # weights and activations, e.g. "bfloat16"
+    jax_version: str
+    target: str  # the checkpoints as given to the calibration
+    drafter: str
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    round_ms: Mapping[str, tuple[tuple[float, ...], ...]]
+    tokens_per_round: Mapping[str, float]
+    exact: bool = False  # the programs ran the exact numerics (`Generator(exact=)`), whose round times differ
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # how it was measured (provenance)
+    source: str = dataclasses.field(default="", compare=False)  # the file it was read from; "" if measured here
+
+    def __post_init__(self) -> None:
+        for name, grid in (("batches", self.batches), ("contexts", self.contexts)):
+            if not grid or any(not isinstance(v, int) or v < 1 for v in grid) or list(grid) != sorted(set(grid)):
+                raise ValueError(f"{name} must be increasing integers >= 1, got {list(grid)}")
+        if not self.round_ms or list(self.round_ms) != list(self.tokens_per_round):
+            raise ValueError("round_ms and tokens_per_round must name the same candidates, at least one")
+        for name, grid in self.round_ms.items():
+            Candidate.parse(name)
+            shape = [len(row) for row in grid]
+            if shape != [len(self.contexts)] * len(self.batches):
+                raise ValueError(f"{name}: round_ms is not {len(self.batches)} batches x {len(self.contexts)} contexts")
+            if not all(math.isfinite(v) and v > 0 for row in grid for v in row):
+                raise ValueError(f"{name}: round times must be finite and > 0")
+            tpr = self.tokens_per_round[name]
+            if not (math.isfinite(tpr) and tpr >= 1) or (name == "ar" and tpr != 1):
+                raise ValueError(f"{name}: tokens per round must be >= 1 (ar: 1), got {tpr}")
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        return tuple(Candidate.parse(name) for name in self.round_ms)
+
+    def round_time(self, name: str, batch: int, context: int) -> float:
+        """Candidate `name`'s round time in ms at (batch, context), bilinear between grid points, clamped."""
+        i0, i1, wb = _segment(self.batches, batch)
+        j0, j1, wc = _segment(self.contexts, context)
+        g = self.round_ms[name]
+        near = (1 - wc) * g[i0][j0] + wc * g[i0][j1]
+        far = (1 - wc) * g[i1][j0] + wc * g[i1][j1]
+        return (1 - wb) * near + wb * far
+
+    def choose(self, batch: int, context: int, acceptance: Mapping[str, float]) -> Choice:
+        """The candidate with the highest expected rate batch x acceptance[name] / round_time (the first in table
+        order on a tie); `acceptance`: tokens per round by candidate name."""
+        rates = {n: batch * acceptance[n] / self.round_time(n, batch, context) * 1e3 for n in self.round_ms}
+        best = max(rates, key=rates.__getitem__)
+        return Choice(Candidate.parse(best), batch, context, rates, FROM_TABLE)
+
+    def check(self, device_kind: str, device_count: int, dtype: str, exact: bool) -> None:
+        """A `UserError` unless the table was measured on this device kind and count, in this dtype and with the
+        exact numerics on or off as here."""
+        measured = (self.device_kind, self.device_count, self.dtype, self.exact)
+        if measured != (device_kind, device_count, dtype, exact):
+            where = f"{self.source}: " if self.source else ""
+            numerics = {True: ", exact", False: ""}
+            raise UserError(
+                f"{where}cost table measured on {self.device_count} x {self.device_kind} in {self.dtype}"
+                f"{numerics[self.exact]}, but this run is on {device_count} x {device_kind} in {dtype}"
+                f"{numerics[exact]}: run ddtree-calibrate on this machine with the same settings"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        head = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("round_ms", "source")}
+        del head["tokens_per_round"]
+        cands = {n: {"tokens_per_round": self.tokens_per_round[n], "round_ms": self.round_ms[n]} for n in self.round_ms}
+        return {"format": FORMAT, **head, "candidates": cands}
+
+    def save(self, path: str | Path) -> None:
+        """Write the table as JSON, atomically (no partial file)."""
+        atomic_write(Path(path), (json.dumps(self.to_json(), indent=1) + "\n").encode())
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        """Read a table written by `save`; a `UserError` naming the file when it is missing or malformed."""
+        p = Path(path)
+        try:
+            raw = json.loads(p.read_text())
+            if raw.get("format") != FORMAT:
+                raise ValueError(f"not a cost table (format {raw.get('format')!r}, want {FORMAT!r})")
+            cands = raw.pop("candidates")
+            del raw["format"]
+            return cls(
+                **raw
+                | {
+                    "batches": tuple(raw["batches"]),
+                    "contexts": tuple(raw["contexts"]),
+                    "round_ms": {n: tuple(tuple(map(float, r)) for r in c["round_ms"]) for n, c in cands.items()},
+                    "tokens_per_round": {n: float(c["tokens_per_round"]) for n, c in cands.items()},
+                    "source": str(p),
+                }
+            )
+        except FileNotFoundError:
+            raise UserError(f"{p}: no cost table there (ddtree-calibrate writes one)") from None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            raise UserError(f"{p}: malformed cost table ({type(e).__name__}: {e})") from None
+
+
+class Acceptance:
+    """The running mean of each candidate's tokens per round: the table's measurement counts as the first
+    observation, and each batch `observe`d adds one."""
+
+    def __init__(self, initial: Mapping[str, float]):
+        self._sum = dict(initial)
+        self._count = dict.fromkeys(initial, 1)
+
+    def observe(self, name: str, tokens_per_round: float) -> None:
+        self._sum[name] += tokens_per_round
+        self._count[name] += 1
+
+    def means(self) -> dict[str, float]:
+        return {n: s / self._count[n] for n, s in self._sum.items()}

@@ -1,0 +1,338 @@
+"""`method="auto"`: the cost table (JSON, interpolation, the choice, running acceptance), auto through the API and
+`ddtree-generate` (lossless: greedy output equals `ar`'s; the choice is reported), the refusals (no table, a table
+from another device or dtype, a budget), and `ddtree-calibrate` on a tiny pair."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import pytest
+from absl import flags
+
+from ddtree_jax import api, generate
+from ddtree_jax.cost_table import Acceptance, Candidate, CostTable
+from ddtree_jax.errors import UserError, cli_main
+from experiments import workload
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+KW = {"max_new_tokens": 8, "ignore_eos": True}  # the CLI runs below use the same settings: same programs
+
+
+def make_table(
+    names: Sequence[str] = ("ar", "ddtree-4"),
+    round_ms: dict[str, float] | None = None,
+    tokens_per_round: dict[str, float] | None = None,
+    **identity: str | int,
+) -> CostTable:
+    """A one-point table of `names` (round times and acceptance default to 1 ms and 1 token), measured on this
+    machine's device kind, one device, float32 unless `identity` says otherwise."""
+    ms, tpr = round_ms or {}, tokens_per_round or {}
+    measured = {"device_kind": jax.devices()[0].device_kind, "device_count": 1, "dtype": "float32"} | identity
+    return CostTable(
+        **measured,
+        jax_version=jax.__version__,
+        target="t",
+        drafter="d",
+        batches=(1,),
+        contexts=(64,),
+        round_ms={n: ((ms.get(n, 1.0),),) for n in names},
+        tokens_per_round={n: tpr.get(n, 1.0) for n in names},
+    )
+
+
+TREE_WINS = make_table(round_ms={"ddtree-4": 1.5}, tokens_per_round={"ddtree-4": 3.0})  # 2 tokens per ms vs ar's 1
+AR_WINS = make_table(round_ms={"ddtree-4": 5.0}, tokens_per_round={"ddtree-4": 3.0})  # 0.6 tokens per ms
+
+
+# ---- the table -----------------------------------------------------------------------------------------------
+
+
+def test_candidate_names() -> None:
+    assert [Candidate.parse(n).name for n in ("ar", "dflash", "ddtree-8")] == ["ar", "dflash", "ddtree-8"]
+    assert Candidate.parse("ddtree-8") == Candidate("ddtree", 8) and Candidate("ar").spec_budget == 16
+    for bad in ("beam", "ddtree", "ddtree-x", "ddtree-0", "ar-4"):
+        with pytest.raises(ValueError):
+            Candidate.parse(bad)
+
+
+def test_table_round_trips_through_json(tmp_path: Path) -> None:
+    table = CostTable(
+        device_kind="NVIDIA H200",
+        device_count=8,
+        dtype="bfloat16",
+        jax_version="0.11.2",
+        target="checkpoints/kimi-mini",
+        drafter="checkpoints/kimi-mini-dflash",
+        batches=(1, 8),
+        contexts=(64, 1024, 4096),
+        round_ms={"ar": ((1.0, 1.1, 1.5), (1.2, 1.3, 2.0)), "ddtree-8": ((1.5, 1.7, 2.5), (2.5, 2.9, 4.0))},
+        tokens_per_round={"ar": 1.0, "ddtree-8": 3.98},
+        settings={"max_new_tokens": 64, "repeats": 3},
+    )
+    table.save(tmp_path / "calibration.json")
+    back = CostTable.load(tmp_path / "calibration.json")
+    assert back == table and back.source == str(tmp_path / "calibration.json")
+    assert back.candidates == (Candidate("ar"), Candidate("ddtree", 8))
+    assert json.loads((tmp_path / "calibration.json").read_text())["device_kind"] == "NVIDIA H200"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("{not json", "malformed cost table"),
+        ('{"format": "other"}', "not a cost table"),
+        (json.dumps(make_table().to_json() | {"batches": [8, 1]}), "batches must be increasing"),
+        (json.dumps(make_table().to_json() | {"candidates": {}}), "at least one"),
+    ],
+)
+def test_malformed_table_is_a_user_error_naming_the_file(tmp_path: Path, text: str, says: str) -> None:
+    (tmp_path / "calibration.json").write_text(text)
+    with pytest.raises(UserError, match=f"calibration.json: .*{says}"):
+        CostTable.load(tmp_path / "calibration.json")
+    with pytest.raises(UserError, match="no cost table there"):
+        CostTable.load(tmp_path / "missing.json")
+
+
+def test_round_time_is_linear_in_batch_and_context_and_clamped() -> None:
+    grid = ((1.0, 3.0), (5.0, 11.0))  # batches 1, 9 x contexts 100, 300
+    table = dataclasses.replace(make_table(("ar",)), batches=(1, 9), contexts=(100, 300), round_ms={"ar": grid})
+    assert table.round_time("ar", 1, 100) == 1.0 and table.round_time("ar", 9, 300) == 11.0
+    assert table.round_time("ar", 1, 200) == 2.0  # halfway in context
+    assert table.round_time("ar", 5, 100) == 3.0  # halfway in batch
+    assert table.round_time("ar", 5, 200) == pytest.approx((2.0 + 8.0) / 2)
+    assert table.round_time("ar", 64, 8192) == 11.0 and table.round_time("ar", 1, 1) == 1.0  # clamped at the ends
+
+
+def test_the_choice_follows_the_table() -> None:
+    assert AR_WINS.choose(1, 64, AR_WINS.tokens_per_round).candidate == Candidate("ar")
+    choice = TREE_WINS.choose(1, 64, TREE_WINS.tokens_per_round)
+    assert choice.candidate == Candidate("ddtree", 4)
+    assert choice.expected_tokens_per_s == {"ar": 1000.0, "ddtree-4": 2000.0}
+    assert choice.to_dict()["chosen"] == "ddtree-4" and choice.to_dict()["reason"] == "cost table"
+
+
+def test_measured_acceptance_moves_the_choice() -> None:
+    acceptance = Acceptance(TREE_WINS.tokens_per_round)
+    assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ddtree-4"
+    acceptance.observe("ddtree-4", 1.0)  # mean (3 + 1) / 2 = 2 tokens per 1.5 ms: still ahead of ar
+    assert acceptance.means()["ddtree-4"] == 2.0
+    assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ddtree-4"
+    acceptance.observe("ddtree-4", 1.0)  # (3 + 1 + 1) / 3 = 1.67 tokens per 1.5 ms; ar: 1 per 1 ms
+    assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ddtree-4"
+    acceptance.observe("ddtree-4", 1.0)  # 1.5 per 1.5 ms: a tie goes to the first candidate, ar
+    assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ar"
+
+
+def test_a_table_from_another_device_dtype_or_exact_setting_is_refused() -> None:
+    here = {"device_kind": jax.devices()[0].device_kind, "device_count": 1, "dtype": "float32", "exact": False}
+    make_table().check(**here)
+    with pytest.raises(UserError, match="measured on 1 x NVIDIA H200 in float32, but this run is on 1 x"):
+        make_table(device_kind="NVIDIA H200").check(**here)
+    with pytest.raises(UserError, match="in bfloat16, but this run is on .* in float32: run ddtree-calibrate"):
+        make_table(dtype="bfloat16").check(**here)
+    with pytest.raises(UserError, match="measured on 8 x"):
+        make_table(device_count=8).check(**here)
+    with pytest.raises(UserError, match="in float32, exact, but this run is on .* in float32: run ddtree-calibrate"):
+        make_table(exact=True).check(**here)
+
+
+# ---- auto through the API and ddtree-generate ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return workload.write_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def gen(pair: tuple[Path, Path]) -> api.Generator:
+    return api.Generator.load(*pair)  # float32 on a CPU: every method gives ar's tokens
+
+
+def test_auto_is_lossless_and_reports_its_choice(gen: api.Generator) -> None:
+    ar = gen.generate(PROMPTS, method="ar", **KW)
+    gen.use_calibration(TREE_WINS)
+    res = gen.generate(PROMPTS, method="auto", **KW)
+    assert res.tokens == ar.tokens
+    assert (res.method, res.budget, res.auto.candidate.name, res.auto.batch, res.auto.context) == (
+        "ddtree",
+        4,
+        "ddtree-4",
+        2,
+        4,
+    )
+    observed = sum(s["tokens_per_round"] * s["rounds"] for s in res.stats) / sum(s["rounds"] for s in res.stats)
+    assert gen.acceptance.means()["ddtree-4"] == pytest.approx((3.0 + observed) / 2)  # the batch joined the mean
+    gen.use_calibration(AR_WINS)
+    res = gen.generate(PROMPTS, method="auto", **KW)
+    assert (res.method, res.budget, res.tokens) == ("ar", None, ar.tokens)
+    assert gen.acceptance.means() == {"ar": 1.0, "ddtree-4": 3.0}  # ar's acceptance is 1 whatever it observes
+
+
+def test_auto_refusals(gen: api.Generator, pair: tuple[Path, Path], tmp_path: Path) -> None:
+    gen.use_calibration(None)
+    with pytest.raises(UserError, match="needs a cost table: run ddtree-calibrate"):
+        gen.generate(PROMPTS, method="auto", **KW)
+    gen.use_calibration(make_table(device_kind="NVIDIA H200"))
+    with pytest.raises(UserError, match="measured on 1 x NVIDIA H200"):
+        gen.generate(PROMPTS, method="auto", **KW)
+    with pytest.raises(ValueError, match="chooses the budget"):
+        gen.generate(PROMPTS, method="auto", budget=8, **KW)
+    make_table(dtype="bfloat16").save(tmp_path / "bf16.json")
+    with pytest.raises(UserError, match="bf16.json: cost table measured on .* in bfloat16"):
+        api.Generator.load(*pair, calibration=tmp_path / "bf16.json")  # refused before any weight is read
+    shutil.copytree(pair[1], tmp_path / "drafter")
+    (tmp_path / "drafter" / "calibration.json").write_text("{torn")
+    beside = api.Generator.load(pair[0], tmp_path / "drafter")  # the drafter's own table is read when auto needs it
+    assert beside.generate(PROMPTS, method="ar", **KW).tokens == gen.generate(PROMPTS, method="ar", **KW).tokens
+    with pytest.raises(UserError, match="drafter/calibration.json: malformed cost table"):
+        beside.generate(PROMPTS, method="auto", **KW)
+
+
+def test_auto_without_a_drafter_is_ar(gen: api.Generator) -> None:
+    res = api.Generator(gen.target).generate(PROMPTS, method="auto", pad_batch_to=8, **KW)
+    assert res.method == "ar" and res.auto.to_dict() | {"expected_tokens_per_s": None} == {
+        "chosen": "ar",
+        "reason": "no drafter",
+        "batch": 8,  # the padded batch the program runs
+        "context": 4,
+        "expected_tokens_per_s": None,
+    }
+
+
+class GenerateCli:
+    """`ddtree-generate` in process on the tiny pair, its drafter copied so that a table can be put beside it."""
+
+    def __init__(self, pair: tuple[Path, Path], tmp: Path, capsys: pytest.CaptureFixture):
+        self.target, self.drafter, self.tmp, self.capsys = pair[0], tmp / "drafter", tmp, capsys
+        shutil.copytree(pair[1], self.drafter)
+        self.prompts = tmp / "prompts.jsonl"
+        self.prompts.write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
+
+    def __call__(self, *extra: str) -> tuple[int, str, str]:
+        """(exit code, stderr, stdout) of a run with these extra flags."""
+        argv = [f"--target={self.target}", f"--drafter={self.drafter}", f"--prompts={self.prompts}"]
+        argv += ["--batch_size=2", "--max_new_tokens=8", "--ignore_eos", "--dtype=float32"]
+        try:
+            cli_main(generate.main)(flags.FLAGS(["ddtree-generate", *argv, *extra]))
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        finally:
+            flags.FLAGS.unparse_flags()
+        out = self.capsys.readouterr()
+        return code, out.err, out.out
+
+
+@pytest.fixture
+def cli(
+    gen: api.Generator,
+    pair: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> GenerateCli:
+    """The CLI loading into the module's Generator (the table it is given included), to reuse its programs."""
+
+    def load(target: str, drafter: str, dtype: object, mesh: str | None, calibration: str | None) -> api.Generator:
+        gen.use_calibration(CostTable.load(calibration) if calibration else None)
+        return gen
+
+    monkeypatch.setattr(api.Generator, "load", load)
+    return GenerateCli(pair, tmp_path, capsys)
+
+
+def test_cli_auto_is_the_default_lossless_and_recorded(cli: GenerateCli) -> None:
+    code, err, _ = cli("--method=ar", f"--output={cli.tmp / 'ar.jsonl'}")
+    assert code == 0, err
+    TREE_WINS.save(cli.drafter / "calibration.json")
+    code, err, out = cli(f"--output={cli.tmp / 'auto.jsonl'}")
+    assert code == 0, err
+    ar, auto = (
+        [json.loads(line) for line in (cli.tmp / f"{m}.jsonl").read_text().splitlines()] for m in ("ar", "auto")
+    )
+    assert [r["token_ids"] for r in auto] == [r["token_ids"] for r in ar]
+    batch = auto[0]["stats"]["batch"]
+    assert (batch["method"], batch["budget"], batch["auto"]["chosen"], batch["auto"]["reason"]) == (
+        "ddtree",
+        4,
+        "ddtree-4",
+        "cost table",
+    )
+    assert ar[0]["stats"]["batch"]["auto"] is None and ar[0]["stats"]["batch"]["method"] == "ar"
+    head, row = out.splitlines()
+    assert head.split()[0] == "method" and row.split()[:3] == ["auto:", "ddtree-4", "x2"]
+
+
+def test_cli_auto_refusals(cli: GenerateCli) -> None:
+    out = cli.tmp / "out.jsonl"
+
+    def error(*extra: str) -> str:
+        code, err, _ = cli(f"--output={out}", *extra)
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and not out.exists(), err
+        return lines[0]
+
+    assert "--method=auto needs a cost table" in error() and "run ddtree-calibrate" in error()
+    assert error("--budget=8") == "error: --method=auto chooses the budget: pass --budget with --method=ddtree"
+    assert "--calibration is the cost table of --method=auto" in error("--method=ar", "--calibration=x.json")
+    make_table(device_kind="NVIDIA H200").save(cli.drafter / "calibration.json")
+    assert "measured on 1 x NVIDIA H200 in float32" in error()
+    assert "x.json: no cost table there" in error(f"--calibration={cli.tmp / 'x.json'}")
+
+
+# ---- ddtree-calibrate ----------------------------------------------------------------------------------------
+
+
+def calibrate(target: Path, drafter: Path, prompts: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = [f"--target={target}", f"--drafter={drafter}", f"--prompts={prompts}", *extra]
+    env = {k: v for k, v in os.environ.items() if k != "DDTREE_DEBUG"} | {"JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "ddtree_jax.calibrate", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_calibrate_writes_a_table_beside_the_drafter(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    drafter = tmp_path / "drafter"
+    shutil.copytree(pair[1], drafter)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    grid = ["--candidates=ar,ddtree-2", "--batches=2", "--contexts=4000", "--max_new_tokens=4", "--repeats=1"]
+    proc = calibrate(pair[0], drafter, prompts, *grid, "--dtype=float32", "--compile_workers=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = CostTable.load(drafter / "calibration.json")
+    assert [c.name for c in table.candidates] == ["ar", "ddtree-2"]
+    assert (table.batches, table.contexts) == ((2,), (2048 - 4 - 3,))  # lowered to the position limit
+    assert table.dtype == "float32" and table.device_count == 1 and table.tokens_per_round["ar"] == 1.0
+    assert table.tokens_per_round["ddtree-2"] >= 1 and table.settings["prompts"] == str(prompts)
+    assert "auto's choice at the measured acceptance" in proc.stdout
+    again = calibrate(pair[0], drafter, prompts, *grid)  # refused before anything is loaded
+    assert again.returncode == 2 and again.stderr.strip().endswith("exists: pass --overwrite to replace it")
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("--candidates=ar,beam", "--candidates: candidate method 'beam' not one of"),
+        ("--candidates=ddtree-0", "--candidates: a ddtree candidate takes a budget >= 1"),
+        ("--batches=0,8", "--batches must be integers >= 1, got 0,8"),
+        ("--contexts=long", "--contexts must be integers, got long"),
+        ("--repeats=0", "--repeats must be >= 1, got 0"),
+        ("--max_new_tokens=1", "--max_new_tokens must be >= 2, got 1"),
+        ("--max_new_tokens=5000", "--max_new_tokens 5000 leaves no prompt room below the limit 2048"),
+    ],
+)
+def test_calibrate_refuses_bad_input(pair: tuple[Path, Path], tmp_path: Path, flag: str, says: str) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 1, "prompt_ids": [5, 6]}\n')
+    proc = calibrate(*pair, prompts, flag, f"--output={tmp_path / 'cal.json'}")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "cal.json").exists()
