@@ -242,7 +242,9 @@ def cli(
 ) -> GenerateCli:
     """The CLI loading into the module's Generator (the table it is given included), to reuse its programs."""
 
-    def load(target: str, drafter: str, dtype: object, mesh: str | None, calibration: str | None) -> api.Generator:
+    def load(
+        target: str, drafter: str, dtype: object, mesh: str | None, calibration: str | None, exact: bool | None
+    ) -> api.Generator:
         gen.use_calibration(CostTable.load(calibration) if calibration else None)
         return gen
 

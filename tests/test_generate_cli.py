@@ -327,7 +327,13 @@ class FakeGenerator:
 
     @classmethod
     def load(
-        cls, target: str, drafter: str | None, dtype: object, mesh: str | None, calibration: str | None
+        cls,
+        target: str,
+        drafter: str | None,
+        dtype: object,
+        mesh: str | None,
+        calibration: str | None,
+        exact: bool | None,
     ) -> FakeGenerator:
         cls.calls.append({"load": (target, drafter, dtype, mesh)})
         return cls()
@@ -357,6 +363,7 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> type[FakeGenerator]:
         Generator=FakeGenerator,
         padded_prompt_len=api.padded_prompt_len,
         default_dtype=api.default_dtype,
+        default_exact=api.default_exact,
         device_identity=api.device_identity,
     )
     monkeypatch.setitem(sys.modules, "ddtree_jax.api", fake_api)
