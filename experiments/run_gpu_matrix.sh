@@ -21,7 +21,9 @@
 #   bytes per piece of each layer against a copy rate timed in the same run (layer_profile; issue 32)
 #   and (STAGES=drafter) the drafter attention kernel: bench_drafter, breakdown at 32 rows with and without it
 #   (issue 37; about 5 min)
-#   and (STAGES=exact_check) the exact numerics: exact_probe with and without, exact_check (issue 34; about 9 min)
+#   and (STAGES=exact_check) the exact numerics: exact_probe, exact_check (issue 34; about 9 min; exact_probe_off:
+#   the probe without them)
+#   and (STAGES=auto) method=auto beside the fixed methods on the concurrency and context axes (issue 37)
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -42,6 +44,8 @@ TREE_S=${TREE_S:-200}
 MLA_S=${MLA_S:-560}
 PROFILE_S=${PROFILE_S:-120}
 LAYER_PROFILE_S=${LAYER_PROFILE_S:-540}
+EXACT_CHECK_S=${EXACT_CHECK_S:-380}
+AUTO_S=${AUTO_S:-400}
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 REPEATS=${REPEATS:-3}
 MAX_NEW=${MAX_NEW:-128}
@@ -95,8 +99,15 @@ want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir=
 # Exact numerics (issue 34): layer by layer, decode steps vs block / tree / batch, with and without; then the same
 # ragged requests at batch 1/8/32 as every method, compared with batch-1 ar, and tokens/s on vs off.
 want exact_check && stage exact_probe 70 "$PY" -m experiments.exact_probe --out_dir="$RES"
-want exact_check && stage exact_probe_off 50 "$PY" -m experiments.exact_probe --out_dir="$RES" --noexact
-want exact_check && stage exact_check 380 "$PY" -m experiments.exact_check --out_dir="$RES"
+want exact_probe_off && stage exact_probe_off 50 "$PY" -m experiments.exact_probe --out_dir="$RES" --noexact
+# shellcheck disable=SC2086  # EXACT_CHECK_ARGS / AUTO_ARGS: extra flags, word-split on purpose
+want exact_check && stage exact_check "$EXACT_CHECK_S" "$PY" -m experiments.exact_check --out_dir="$RES" \
+  --max_new_tokens="$MAX_NEW" ${EXACT_CHECK_ARGS:-}
+# method=auto (issue 37) beside the fixed methods over concurrency 1-128 and context 60-1888, its cost table measured
+# first in the same process over those cells.
+# shellcheck disable=SC2086
+want auto && stage auto "$AUTO_S" "$PY" "${SWEEP[@]}" --axis=concurrency,context --concurrency=1,8,32,64,128 \
+  --contexts=60,1024,1888 ${AUTO_ARGS:-}
 want layer_profile && stage layer_profile "$LAYER_PROFILE_S" "$PY" -m experiments.layer_profile --out_dir="$RES" \
   --layouts=single,rank --budgets=8,16 --concurrency=1,8 --context=1024
 if want mla_profile; then

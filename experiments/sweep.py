@@ -170,6 +170,7 @@ def calibrate(gen, plans: dict[str, list[Group]], base: list[list[int]]):
             bar=bar,
         )
     out = Path(FLAGS.out_dir or common.RESULTS_DIR) / f"{result_name('_'.join(FLAGS.axis))}_calibration.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out)
     print(f"auto's cost table measured here: {out}")
     return table
