@@ -76,6 +76,7 @@ def run_sweep(setting: Setting, out_dir: Path) -> list[dict]:
     """One `sweep --axis=budget` process under `setting` -> its records."""
     env = {**os.environ, **setting.env, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {setting.xla_flags}".strip()}
     cmd = [sys.executable, "-m", "experiments.sweep", "--axis=budget", f"--budgets={','.join(FLAGS.budgets)}"]
+    cmd += ["--methods=ar,dflash,ddtree"]  # the fixed methods: auto would only repeat one of them
     cmd += [f"--target={FLAGS.target}", f"--drafter={FLAGS.drafter}", f"--repeats={FLAGS.repeats}"]
     cmd += [f"--num_prompts={FLAGS.num_prompts}", f"--max_new_tokens={FLAGS.max_new_tokens}", f"--out_dir={out_dir}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
