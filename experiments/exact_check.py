@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from absl import flags
 from tqdm import tqdm
 
+from ddtree_jax.calibration import at_length
 from ddtree_jax.errors import UserError, run_app
 from experiments import common, workload
 
@@ -46,7 +47,7 @@ COLUMNS += ["vs_off"]
 def requests(gen, context: int) -> list[list[int]]:
     """`--num_prompts` held-out prompts of `context` tokens, request i cut i * 7 % 23 tokens short."""
     base, _ = workload.load_prompts(gen, FLAGS.prompts, FLAGS.num_prompts)
-    rows = workload.at_length(base, context, FLAGS.num_prompts)
+    rows = at_length(base, context, FLAGS.num_prompts)
     return [r[: len(r) - i * 7 % 23] for i, r in enumerate(rows)]
 
 

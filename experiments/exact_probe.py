@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from ddtree_jax.calibration import at_length
 from ddtree_jax.errors import run_app
 from experiments import common, workload
 from experiments.invariance import chain_tree, decode_steps, prefilled, run_block
@@ -61,7 +62,7 @@ def main(_) -> None:
     kernels = dataclasses.replace(Kernels.from_env(), exact=FLAGS.exact)
     k, p = FLAGS.tokens, FLAGS.context
     base, _ = workload.load_prompts(gen, FLAGS.prompts, BATCH)
-    rows = np.asarray(workload.at_length(base, p + k, BATCH))
+    rows = np.asarray(at_length(base, p + k, BATCH))
     prompt, probe = rows[ROW : ROW + 1, :p], rows[ROW : ROW + 1, p:]
     cache = prefilled(target, kernels, prompt)
     want = decode_steps(target, kernels, cache, p, probe)
