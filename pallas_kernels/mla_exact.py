@@ -33,6 +33,7 @@ _NEG_INIT = -1e30  # finite running-max start
 CHUNK = 64  # absolute positions per context chunk (the cache is allocated in multiples of it: sizing.CACHE_ALIGN)
 WIDE_CHUNK = 32  # the chunk of latents wider than 256 (Kimi K2's 576: 64-slot tiles overflow an H100's SMEM)
 ROWS = 16  # query rows per program at least (heads padded): Triton dots take 16 rows and more
+MAX_BLOCK = 64  # nodes per call at most: every program holds the block's latents on chip (prefill goes in chunks)
 
 
 def chunk_len(latent_dim: int) -> int:
@@ -128,6 +129,8 @@ def mla_attention_exact(
     `[B, N, Hq, value_dim]` in q.dtype. value_dim and Dk - value_dim must be powers of two.
     """
     b, n, heads, dk = q.shape
+    if n > MAX_BLOCK + 1:  # a budget-64 tree has 65 nodes
+        raise ValueError(f"{n} nodes in one call; the exact kernel takes at most {MAX_BLOCK + 1}")
     rope_dim = dk - value_dim
     for d in (value_dim, rope_dim):
         if d & (d - 1):
