@@ -3,7 +3,9 @@ every (batch, context) of a grid, and each candidate's acceptance.
 
 At each grid point the rows are `batch` prompts of `context` tokens cut from the held-out prompts' token stream
 (`at_length`). A candidate's round time there is (wall of a run to max_new_tokens - wall of a 1-token run, which is
-the prefill) / the rounds the run took, the walls being medians of `repeats` runs (compilation excluded; every
+the prefill) / the rounds its mean row took, the walls being medians of `repeats` runs. A batch runs until its
+slowest row is done, so this is longer than one loop iteration by the straggler's margin at that batch size, and
+B x tokens per round / round time is the batch's real rate (`CostTable.choose`) (compilation excluded; every
 program is compiled up front, the candidates' runs interleaved so drift falls on all alike; stop tokens ignored, so
 every row runs max_new_tokens). Its acceptance is the tokens it committed per round over all those grid runs at
 temperature 0.
@@ -76,7 +78,7 @@ def measure(
         for name, r in runs.items():  # warm-up; the acceptance comes from these runs
             first = gen.generate(rows, **r[max_new_tokens], **settings)
             gen.generate(rows, **r[1], **settings)
-            iterations[name] = first.batch_rounds
+            iterations[name] = sum(st["rounds"] for st in first.stats) / len(first.stats)  # the mean row's
             committed[name] += sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
             rounds[name] += sum(st["rounds"] for st in first.stats)
         walls = {name: {n: [] for n in r} for name, r in runs.items()}
@@ -86,7 +88,7 @@ def measure(
                     walls[name][n].append(gen.generate(rows, **kw, **settings).wall_s)
         for name, w in walls.items():
             diff = statistics.median(w[max_new_tokens]) - statistics.median(w[1])
-            ms = diff * 1e3 / max(iterations[name], 1)
+            ms = diff * 1e3 / max(iterations[name], 1.0)
             if ms < MIN_ROUND_MS:
                 logging.warning("%s at batch %d, context %d: round time %.4f ms lost in noise", name, b, ctx, ms)
             round_ms[name][batches.index(b), contexts.index(ctx)] = max(ms, MIN_ROUND_MS)

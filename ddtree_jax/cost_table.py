@@ -1,7 +1,8 @@
 """The cost table `method="auto"` chooses by, and the choice.
 
 A table holds, for each candidate program (`ar`, the DFlash chain `dflash`, DDTree at a node budget `ddtree-<b>`),
-its round time in ms at a grid of batch sizes x contexts (prompt tokens), measured on one machine
+its round time in ms at a grid of batch sizes x contexts (prompt tokens): the batch's time per round of its mean row,
+which includes waiting for the batch's slowest row (`calibration`), measured on one machine
 (`ddtree-calibrate`, `ddtree_jax.calibration`), and its acceptance: tokens committed per round (`ar`: 1).
 
 For a batch of B rows whose longest prompt has C tokens, `CostTable.choose` picks the candidate with the highest
