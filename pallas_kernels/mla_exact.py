@@ -12,8 +12,8 @@ in a verify call, whatever the batch (issue 34, docs/exactness.md):
 * Positions are cut into fixed chunks of absolute positions (`chunk_len`: a function of the latent width only),
   visited in ascending order with an online softmax (f32): the chunk boundaries and the order are those of a
   decode step at the node's position.
-* Chunks reaching past the prefix gather the ancestors' latents into their position slots with a one-hot dot
-  (each gathered value is 1.0 x the latent, summed with exact zeros: exact).
+* Chunks reaching past the prefix gather the ancestors' latents into their position slots with one-hot dots over
+  16-node tiles of the block (each gathered value is 1.0 x the latent, summed with exact zeros: exact).
 """
 
 from __future__ import annotations
@@ -85,13 +85,21 @@ def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, sc
     def full_chunk(c, carry):
         return attend(carry, *load(c))
 
+    def gather(pos, lo: int, width: int):
+        """`[chunk, width]`: channels [lo, lo + width) of the ancestor at each position (zeros where none), one
+        `ROWS`-node tile of the block at a time so that only one tile of latents is on chip."""
+        out = jnp.zeros((chunk, width), jnp.float32)
+        for j in range(0, blk_ref.shape[0], ROWS):
+            d, sv = depth_ref[pl.ds(j, ROWS)], see_ref[pl.ds(j, ROWS)] > 0
+            pick = (((pos - prefix)[:, None] == d[None, :]) & sv[None, :]).astype(dtype)  # one-hot rows
+            out += dot(pick, blk_ref[pl.ds(j, ROWS), pl.ds(lo, width)])
+        return out.astype(dtype)
+
     def tail_chunk(c, carry):
         pos, kn, kp = load(c)
-        pick = ((pos - prefix)[:, None] == depth[None, :]) & see[None, :]  # [chunk, Np]: the ancestor at pos
-        pick = pick.astype(dtype)
         in_prefix = (pos < prefix)[:, None]
-        kn = jnp.where(in_prefix, kn, dot(pick, blk_ref[:, pl.ds(0, value_dim)]).astype(dtype))
-        kp = jnp.where(in_prefix, kp, dot(pick, blk_ref[:, pl.ds(value_dim, rope_dim)]).astype(dtype))
+        kn = jnp.where(in_prefix, kn, gather(pos, 0, value_dim))
+        kp = jnp.where(in_prefix, kp, gather(pos, value_dim, rope_dim))
         return attend(carry, pos, kn, kp)
 
     rows = qn.shape[0]
