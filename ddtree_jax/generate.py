@@ -227,7 +227,8 @@ def make_record(p: Prompt, tokens: list[int], stats: dict[str, Any], batch: dict
     """One output line. `stats`: this request's rounds, tokens per round and its estimated latency and tok/s
     (`api.GenerationResult`) and finish_reason ("stop": a stop token id or --stop string, "length": --max_new_tokens);
     `stats.batch`: the batch it ran in (size, rounds, execution seconds, aggregate tok/s, the method and DDTree budget
-    that ran, and under --method=auto what it chose and why: `cost_table.Choice.to_dict`, else null)."""
+    that ran, whether it ran the exact numerics (--exact), and under --method=auto what it chose and why:
+    `cost_table.Choice.to_dict`, else null)."""
     own = ("rounds", "tokens_per_round", "finish_reason", "est_latency_s", "est_tokens_per_s")
     return {
         "id": p.id,
@@ -334,6 +335,7 @@ def main(argv: Sequence[str]) -> None:
         )
         about = {"requests": len(batch), "rounds": res.batch_rounds, "exec_s": res.wall_s}
         about |= {"tokens_per_s": res.tokens_per_s, "method": res.method, "budget": res.budget}
+        about["exact"] = res.spec.kernels.exact
         about["auto"] = res.auto.to_dict() if res.auto is not None else None
         texts = res.texts or [None] * len(batch)
         rows = zip((p for _, p in batch), res.tokens, res.stats, texts, strict=True)

@@ -335,8 +335,10 @@ class FakeGenerator:
         calibration: str | None,
         exact: bool | None,
     ) -> FakeGenerator:
-        cls.calls.append({"load": (target, drafter, dtype, mesh)})
-        return cls()
+        cls.calls.append({"load": (target, drafter, dtype, mesh), "exact": exact})
+        gen = cls()
+        gen.exact = bool(exact)
+        return gen
 
     def generate(self, prompts: list[list[int]], **kw: object) -> SimpleNamespace:
         self.calls.append({"prompts": prompts, **kw})
@@ -351,7 +353,7 @@ class FakeGenerator:
         method, budget = kw["method"], kw["budget"] if kw["method"] == "ddtree" else None
         return SimpleNamespace(
             tokens=tokens, texts=texts, stats=stats, wall_s=0.5, compile_s=0.0, tokens_per_s=rate, batch_rounds=1,
-            method=method, budget=budget, auto=None,
+            method=method, budget=budget, auto=None, spec=SimpleNamespace(kernels=SimpleNamespace(exact=self.exact)),
         )  # fmt: skip
 
 
@@ -446,6 +448,13 @@ def test_default_dtype_is_float32_on_a_cpu(cli: Cli, fake_engine: type[FakeGener
     import jax.numpy as jnp
 
     assert fake_engine.calls[0]["load"][2] == jnp.float32
+
+
+@pytest.mark.parametrize("flag,exact", [("--exact", True), ("--noexact", False)])
+def test_exact_flag_reaches_the_generator_and_the_record(cli: Cli, fake_engine, flag: str, exact: bool) -> None:
+    run_in_process(cli, flag, "--method=ar", "--max_new_tokens=5")
+    assert fake_engine.calls[0]["exact"] is exact
+    assert all(json.loads(line)["stats"]["batch"]["exact"] is exact for line in cli.output.read_text().splitlines())
 
 
 def test_sampling_and_stop_flags_reach_generate(cli: Cli, fake_engine: type[FakeGenerator]) -> None:
