@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 from absl import flags
 
 from ddtree_jax import api, generate
+from ddtree_jax.calibration import measure
 from ddtree_jax.cost_table import Acceptance, Candidate, CostTable
 from ddtree_jax.errors import UserError, cli_main
 from experiments import workload
@@ -129,6 +131,48 @@ def test_measured_acceptance_moves_the_choice() -> None:
     assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ddtree-4"
     acceptance.observe("ddtree-4", 1.0)  # 1.5 per 1.5 ms: a tie goes to the first candidate, ar
     assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ar"
+
+
+class TimedGenerator:
+    """A Generator whose runs take fixed walls: a 1-token run 1 ms, a full run 13 ms, with row 0 taking 4 rounds and
+    row 1 8 (ar: every round commits one token)."""
+
+    drafter = object()
+
+    def device_identity(self) -> dict:
+        return {"device_kind": "cpu", "device_count": 1, "dtype": "float32", "exact": False}
+
+    def spec_for(self, rows, **kw):
+        return types.SimpleNamespace(kernels="Kernels()", key=(len(rows), kw["method"], kw["max_new_tokens"]))
+
+    def precompile(self, specs, workers: int) -> float:
+        return 0.0
+
+    def generate(self, rows, *, method: str, max_new_tokens: int, **kw):
+        rounds = [4, 8] if method != "ar" else [max_new_tokens] * 2
+        stats = [{"rounds": r, "tokens_per_round": max_new_tokens / r} for r in rounds]
+        wall = 0.001 if max_new_tokens == 1 else 0.013
+        return types.SimpleNamespace(stats=stats[: len(rows)], wall_s=wall, batch_rounds=max(rounds))
+
+
+def test_round_time_is_per_round_of_the_mean_row() -> None:
+    """A batch waits for its slowest row: 12 ms over rows of 4 and 8 rounds is 2 ms per round of the mean row (not
+    12 / 8), so that batch x tokens per round / round time is the batch's real rate."""
+    table = measure(
+        TimedGenerator(),
+        [[1, 2, 3]],
+        candidates=[Candidate("ddtree", 8)],
+        batches=[2],
+        contexts=[3],
+        max_new_tokens=16,
+        repeats=1,
+        compile_workers=1,
+        target="t",
+        drafter="d",
+    )
+    assert table.round_time("ddtree-8", 2, 3) == pytest.approx(2.0)
+    rate = table.choose(2, 3, table.tokens_per_round).expected_tokens_per_s["ddtree-8"]
+    assert rate == pytest.approx(2 * 16 / 0.012)  # 2 rows x 16 tokens in the 12 ms the rounds took
 
 
 def test_a_table_from_another_device_dtype_or_exact_setting_is_refused() -> None:
