@@ -41,10 +41,16 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def default_exact() -> bool:
-    """The exact (batch- and tree-invariant) numerics are on by default on a GPU; a CPU runs float32 by default,
-    exact there without them (docs/exactness.md)."""
-    return jax.default_backend() == "gpu"
+def resolve_exact(exact: bool | None, mesh: Mesh | None) -> bool:
+    """Whether programs run the exact (batch- and tree-invariant) numerics: `exact`, or None: on a single GPU (a CPU
+    runs float32 by default, exact there without them; docs/exactness.md). They do not cover a device mesh yet, so
+    exact=True with one is a `UserError`."""
+    if exact and mesh is not None:
+        raise UserError(
+            "the exact numerics do not cover a device mesh yet (GSPMD cannot split their kernels): run on one device, "
+            "or without --exact"
+        )
+    return jax.default_backend() == "gpu" and mesh is None if exact is None else exact
 
 
 def padded_prompt_len(longest: int) -> int:
@@ -102,7 +108,7 @@ class Generator:
         on `expert` when there are several, else the single-device program. Params are placed on it.
         trained_context: the window length the target was trained on, if known; longer requests are logged.
         exact: every program computes a token's target logits independently of the batch, the method and the tree
-        (`Kernels.exact`), so speculative output equals `ar`'s bit for bit; None: `default_exact()`.
+        (`Kernels.exact`), so speculative output equals `ar`'s bit for bit; `resolve_exact` settles None.
         calibration: the cost table of `method="auto"` (`use_calibration`)."""
         if drafter is not None:
             check_pair(target.config, drafter.config)
@@ -113,7 +119,7 @@ class Generator:
                 sharding.shard_model(drafter, self.mesh)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.trained_context = trained_context
-        self.exact = default_exact() if exact is None else exact
+        self.exact = resolve_exact(exact, self.mesh)
         self._compiled: dict[engine.GenSpec, tuple] = {}  # spec (kernel selection included) -> program and states
         self.compile_seconds: dict[engine.GenSpec, float] = {}  # per program, however it was compiled
         self.use_calibration(calibration)
@@ -167,11 +173,12 @@ class Generator:
 
         target_dir, drafter_dir = resolve_checkpoint(target_dir), drafter_dir and resolve_checkpoint(drafter_dir)
         mesh = sharding.resolve_mesh(mesh)
+        exact = resolve_exact(exact, mesh)  # refused before any weight is read
         beside = Path(drafter_dir or "") / cost_table.FILE_NAME
         table = beside if drafter_dir is not None and beside.is_file() else None
         if calibration is not None:
             table = cost_table.CostTable.load(calibration)
-            table.check(**device_identity(mesh, dtype, default_exact() if exact is None else exact))
+            table.check(**device_identity(mesh, dtype, exact))
         place = sharding.sharding_fn(mesh) if mesh is not None else None
         target = load_target(target_dir, dtype=dtype, sharding_fn=place)
         drafter = load_drafter(drafter_dir, dtype=dtype) if drafter_dir is not None else None

@@ -87,7 +87,7 @@ flags.DEFINE_bool(
     "exact",
     None,
     "Batch- and tree-invariant numerics: speculative output equals --method=ar's bit for bit whatever the batch "
-    "(docs/exactness.md). Default: on a GPU.",
+    "(docs/exactness.md). Default: on a single GPU; not with a device mesh.",
 )
 flags.DEFINE_bool("ignore_eos", False, "Generate past the model's EOS tokens (not past --stop_token_ids).")
 flags.DEFINE_integer("seed", 0, "Sampling seed; a request's samples depend only on (seed, its index in --prompts).")
@@ -273,7 +273,7 @@ def main(argv: Sequence[str]) -> None:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.api import Generator, default_dtype, default_exact, device_identity, padded_prompt_len
+    from ddtree_jax.api import Generator, default_dtype, device_identity, padded_prompt_len, resolve_exact
     from ddtree_jax.sharding import resolve_mesh
     from pallas_kernels.dispatch import Kernels
 
@@ -284,9 +284,10 @@ def main(argv: Sequence[str]) -> None:
 
     dtype = default_dtype() if FLAGS.dtype == "auto" else jnp.dtype(FLAGS.dtype)
     method, budget = "ar" if FLAGS.method == "auto" else FLAGS.method, FLAGS.budget  # auto without a drafter: ar
+    mesh = resolve_mesh(FLAGS.mesh)
+    exact = resolve_exact(FLAGS.exact, mesh)
     if table is not None:
-        exact = default_exact() if FLAGS.exact is None else FLAGS.exact
-        table.check(**device_identity(resolve_mesh(FLAGS.mesh), dtype, exact))
+        table.check(**device_identity(mesh, dtype, exact))
         heaviest = cost_table.largest(table.candidates, drafter_cfg.num_draft)  # auto may run any candidate
         method, budget = heaviest.method, heaviest.spec_budget
     longest = padded_prompt_len(max(len(p.token_ids) for _, p in todo))
@@ -308,7 +309,7 @@ def main(argv: Sequence[str]) -> None:
         dtype=dtype,
         mesh=FLAGS.mesh,
         calibration=table.source if table else None,
-        exact=FLAGS.exact,
+        exact=exact,
     )
     started = time.perf_counter()
     records: list[dict[str, Any]] = []

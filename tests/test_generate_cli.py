@@ -15,6 +15,7 @@ import pytest
 from absl import flags
 
 from ddtree_jax import generate
+from ddtree_jax.errors import UserError
 from pallas_kernels.dispatch import Kernels
 
 VOCAB = 512  # 256 byte ranks + 256 Kimi specials
@@ -365,7 +366,7 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> type[FakeGenerator]:
         Generator=FakeGenerator,
         padded_prompt_len=api.padded_prompt_len,
         default_dtype=api.default_dtype,
-        default_exact=api.default_exact,
+        resolve_exact=api.resolve_exact,
         device_identity=api.device_identity,
     )
     monkeypatch.setitem(sys.modules, "ddtree_jax.api", fake_api)
@@ -430,6 +431,7 @@ def test_batches_in_input_order_with_resume(
                 "tokens_per_s": 4.0,
                 "method": "dflash",
                 "budget": None,
+                "exact": False,
                 "auto": None,
             },
         },
@@ -455,6 +457,12 @@ def test_exact_flag_reaches_the_generator_and_the_record(cli: Cli, fake_engine, 
     run_in_process(cli, flag, "--method=ar", "--max_new_tokens=5")
     assert fake_engine.calls[0]["exact"] is exact
     assert all(json.loads(line)["stats"]["batch"]["exact"] is exact for line in cli.output.read_text().splitlines())
+
+
+def test_exact_with_a_device_mesh_is_refused_before_loading(cli: Cli, fake_engine) -> None:
+    with pytest.raises(UserError, match="the exact numerics do not cover a device mesh yet"):
+        run_in_process(cli, "--exact", "--mesh=expert=1", "--method=ar", "--max_new_tokens=5")
+    assert fake_engine.calls == [] and not cli.output.exists()
 
 
 def test_sampling_and_stop_flags_reach_generate(cli: Cli, fake_engine: type[FakeGenerator]) -> None:
