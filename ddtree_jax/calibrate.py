@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from absl import flags, logging
-from tqdm import tqdm
 
 from ddtree_jax import cost_table, memory
 from ddtree_jax.config import check_pair, load_dflash_config, load_kimi_config
@@ -152,20 +151,19 @@ def main(argv: Sequence[str]) -> None:
         dtype_bytes=jnp.dtype(dtype).itemsize,
     )
     gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh, exact=FLAGS.exact)
-    with tqdm(total=len(batches) * len(contexts) * len(candidates), desc="calibrate", dynamic_ncols=True) as bar:
-        table = measure(
-            gen,
-            prompts,
-            candidates=candidates,
-            batches=batches,
-            contexts=contexts,
-            max_new_tokens=FLAGS.max_new_tokens,
-            repeats=FLAGS.repeats,
-            compile_workers=FLAGS.compile_workers,
-            target=FLAGS.target,
-            drafter=FLAGS.drafter,
-            bar=bar,
-        )
+    table = measure(
+        gen,
+        prompts,
+        candidates=candidates,
+        batches=batches,
+        contexts=contexts,
+        max_new_tokens=FLAGS.max_new_tokens,
+        repeats=FLAGS.repeats,
+        compile_workers=FLAGS.compile_workers,
+        target=FLAGS.target,
+        drafter=FLAGS.drafter,
+        progress="calibrate",
+    )
     table = dataclasses.replace(table, settings=table.settings | {"prompts": FLAGS.prompts})
     table.save(out)
     print(f"wrote {out}\nauto's choice at the measured acceptance:\n{choices_text(table)}")

@@ -51,11 +51,12 @@ def measure(
     compile_workers: int,
     target: str,
     drafter: str,
-    bar: tqdm | None = None,
+    progress: str | None = None,
 ) -> CostTable:
     """The cost table of `candidates` on `gen` over batches x contexts (each sorted), rows cut from `prompts` (token
     ids; held-out text), runs of max_new_tokens (>= 2) against 1-token runs. `target` / `drafter` name the
-    checkpoints in the table. `bar` advances once per (grid point, candidate)."""
+    checkpoints in the table. `progress`: the description of a progress bar advancing once per (grid point,
+    candidate); None: no bar."""
     if gen.drafter is None and any(c.method != "ar" for c in candidates):
         raise ValueError("candidates other than ar need the Generator's drafter")
     if max_new_tokens < 2:
@@ -68,8 +69,8 @@ def measure(
     settings = {"temperature": 0.0, "ignore_eos": True}
     grid = {(b, ctx): at_length(prompts, ctx, b) for b in batches for ctx in contexts}
     specs = [gen.spec_for(rows, **kw, **settings) for rows in grid.values() for r in runs.values() for kw in r.values()]
-    if bar is not None:
-        bar.set_postfix_str(f"compiling {len(set(specs))} programs")
+    bar = tqdm(total=len(grid) * len(runs), desc=progress, disable=progress is None, dynamic_ncols=True)
+    bar.set_postfix_str(f"compiling {len(set(specs))} programs")
     gen.precompile(specs, compile_workers)
     round_ms = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
     committed, rounds = dict.fromkeys(round_ms, 0.0), dict.fromkeys(round_ms, 0)
@@ -92,9 +93,9 @@ def measure(
             if ms < MIN_ROUND_MS:
                 logging.warning("%s at batch %d, context %d: round time %.4f ms lost in noise", name, b, ctx, ms)
             round_ms[name][batches.index(b), contexts.index(ctx)] = max(ms, MIN_ROUND_MS)
-            if bar is not None:
-                bar.set_postfix_str(f"batch {b}, context {ctx}")
-                bar.update()
+            bar.set_postfix_str(f"batch {b}, context {ctx}")
+            bar.update()
+    bar.close()
     return CostTable(
         **gen.device_identity(),
         jax_version=jax.__version__,

@@ -155,20 +155,19 @@ def calibrate(gen, plans: dict[str, list[Group]], base: list[list[int]]):
     fixed = dict.fromkeys((m, b) for g in groups for m, b in g.methods if m != "auto")
     candidates = [Candidate(m, b if m == "ddtree" else None) for m, b in fixed]
     batches, contexts = sorted({g.concurrency for g in groups}), sorted({g.context for g in groups})
-    with tqdm(total=len(batches) * len(contexts) * len(candidates), desc="calibrate auto") as bar:
-        table = measure(
-            gen,
-            base,
-            candidates=candidates,
-            batches=batches,
-            contexts=contexts,
-            max_new_tokens=FLAGS.max_new_tokens,
-            repeats=FLAGS.repeats,
-            compile_workers=FLAGS.compile_workers,
-            target=FLAGS.target,
-            drafter=FLAGS.drafter,
-            bar=bar,
-        )
+    table = measure(
+        gen,
+        base,
+        candidates=candidates,
+        batches=batches,
+        contexts=contexts,
+        max_new_tokens=FLAGS.max_new_tokens,
+        repeats=FLAGS.repeats,
+        compile_workers=FLAGS.compile_workers,
+        target=FLAGS.target,
+        drafter=FLAGS.drafter,
+        progress="calibrate auto",
+    )
     out = Path(FLAGS.out_dir or common.RESULTS_DIR) / f"{result_name('_'.join(FLAGS.axis))}_calibration.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out)

@@ -4,6 +4,7 @@ from another device or dtype, a budget), and `ddtree-calibrate` on a tiny pair."
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -133,6 +134,9 @@ def test_measured_acceptance_moves_the_choice() -> None:
     assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ar"
 
 
+FakeSpec = collections.namedtuple("FakeSpec", "kernels key")  # hashable, as a GenSpec is
+
+
 class TimedGenerator:
     """A Generator whose runs take fixed walls: a 1-token run 1 ms, a full run 13 ms, with row 0 taking 4 rounds and
     row 1 8 (ar: every round commits one token)."""
@@ -143,7 +147,7 @@ class TimedGenerator:
         return {"device_kind": "cpu", "device_count": 1, "dtype": "float32", "exact": False}
 
     def spec_for(self, rows, **kw):
-        return types.SimpleNamespace(kernels="Kernels()", key=(len(rows), kw["method"], kw["max_new_tokens"]))
+        return FakeSpec("Kernels()", (len(rows), kw["method"], kw["max_new_tokens"]))
 
     def precompile(self, specs, workers: int) -> float:
         return 0.0
