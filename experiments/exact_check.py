@@ -105,12 +105,12 @@ def main(_) -> None:
         )
         cells = [(c, b, mb) for c in contexts for b in batches for mb in methods]
         for context, batch, (method, budget) in tqdm(cells, desc=f"exact={mode}"):
-            rows = contexts[context]
-            tokens, rate[mode, context, batch, method, budget] = run_cell(gen, rows, batch, kws[method, budget])
+            rows, cell = contexts[context], (context, batch, method, budget)
+            tokens, rate[mode, *cell] = run_cell(gen, rows, batch, kws[method, budget])
             if (method, batch) == ("ar", 1):
                 reference = tokens
             differ = sum(a != b for a, b in zip(reference, tokens, strict=True))
-            off = rate.get(("off", context, batch, method, budget))
+            off = rate.get(("off", *cell))
             records.append(
                 {
                     "exact": mode,
@@ -120,8 +120,8 @@ def main(_) -> None:
                     "budget": budget,
                     "rows_differ": differ,
                     "first_divergence": first_divergence(reference, tokens),
-                    "tokens_per_s": rate[mode, context, batch, method, budget],
-                    "vs_off": rate[mode, context, batch, method, budget] / off if off else None,
+                    "tokens_per_s": rate[mode, *cell],
+                    "vs_off": rate[mode, *cell] / off if off else None,
                     "requests": len(rows),
                     "max_new_tokens": FLAGS.max_new_tokens,
                     "dtype": FLAGS.dtype,

@@ -10,8 +10,8 @@ kernel's tiling (None: the default `MosaicMLAConfig()`), and `topk_chunk` the ro
 of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
 `exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `head_matmul`) run the
-row-invariant kernels of `exact_matmul.py` under the `matmul` mode, and the MoE a fixed tile and a fixed-order
-combine. Without `exact` the `matmul` mode is unused: those products are the plain `jnp.dot` / `jnp.einsum`.
+row-invariant kernels of `exact_matmul.py` under the `matmul` mode, MLA attention the per-node kernel of
+`mla_exact.py` under the `mla_attention` mode, and the MoE a fixed tile and a fixed-order combine. Without `exact` the `matmul` mode is unused: those products are the plain `jnp.dot` / `jnp.einsum`.
 
 A `Kernels` value is frozen and hashable: the engine carries it in its `GenSpec`, so it is part of every compiled
 program's key, and passes it down to these functions; nothing here reads a global at trace time. The environment

@@ -239,19 +239,22 @@ class DenseExperts(nnx.Module):
     def __call__(self, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, kernels: Kernels) -> jax.Array:
         """As `Int4Experts`; plain JAX, or under `kernels.exact` every expert's products through
         `dispatch.head_matmul` (experts as heads) and a token's k outputs summed in rank order."""
-        n, _, two_i = self.gate_up.shape
+        n = self.gate_up.shape[0]
+
+        def gated(gu: jax.Array) -> jax.Array:  # [..., 2I] f32 -> silu(gate) * up `[..., I]` in x.dtype
+            gate, up = jnp.split(gu, 2, axis=-1)
+            return (jax.nn.silu(gate) * up).astype(x.dtype)
+
         if kernels.exact:
             xe = jnp.broadcast_to(x[:, None, :], (x.shape[0], n, x.shape[1]))  # [T, E, H]
             gu = dispatch.head_matmul(kernels, xe, self.gate_up[...], preferred_element_type=jnp.float32)
-            h = (jax.nn.silu(gu[..., : two_i // 2]) * gu[..., two_i // 2 :]).astype(x.dtype)  # [T, E, I]
-            y = dispatch.head_matmul(kernels, h, self.down[...], preferred_element_type=jnp.float32)  # [T, E, H]
+            y = dispatch.head_matmul(kernels, gated(gu), self.down[...], preferred_element_type=jnp.float32)
             y_pairs = jnp.take_along_axis(y, topk_ids[:, :, None], axis=1)  # [T, k, H]
             return combine_in_rank_order(y_pairs, topk_weights).astype(x.dtype)
         combine = jnp.zeros((x.shape[0], n), jnp.float32)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], topk_ids].add(topk_weights.astype(jnp.float32))
         gu = jnp.einsum("th,ehn->etn", x, self.gate_up[...], preferred_element_type=jnp.float32)
-        h = (jax.nn.silu(gu[..., : two_i // 2]) * gu[..., two_i // 2 :]).astype(x.dtype)
-        y = jnp.einsum("eti,eih->eth", h, self.down[...], preferred_element_type=jnp.float32)
+        y = jnp.einsum("eti,eih->eth", gated(gu), self.down[...], preferred_element_type=jnp.float32)
         return jnp.einsum("eth,te->th", y, combine).astype(x.dtype)
 
 
