@@ -219,7 +219,7 @@ class Generator:
             top_k=top_k,
             top_p=float(top_p),
             stop_ids=tuple(sorted({*stop_token_ids, *eos})),
-            kernels=dataclasses.replace(Kernels.from_env() if kernels is None else kernels, exact=self.exact),
+            kernels=dataclasses.replace(Kernels.or_env(kernels), exact=self.exact),
         )
 
     def spec_for(

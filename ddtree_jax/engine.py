@@ -289,7 +289,7 @@ def draft(
 ) -> tuple[jax.Array, DrafterCache]:
     """Flush pending context features into the drafter cache, then draft one block -> logits `[B, D, V]`. kernels:
     the drafter's kernel selection (None: `Kernels.from_env()`; `spec_round` passes its `GenSpec.kernels`)."""
-    kernels = dispatch.Kernels.from_env() if kernels is None else kernels
+    kernels = dispatch.Kernels.or_env(kernels)
     c = drafter.config
     b = s.root.shape[0]
     pend_pos = s.ctx_len[:, None] + jnp.arange(s.pend_feats.shape[1])[None, :]

@@ -11,7 +11,8 @@ of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
 `exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `head_matmul`) run the
 row-invariant kernels of `exact_matmul.py` under the `matmul` mode, MLA attention the per-node kernel of
-`mla_exact.py` under the `mla_attention` mode, and the MoE a fixed tile and a fixed-order combine. Without `exact` the `matmul` mode is unused: those products are the plain `jnp.dot` / `jnp.einsum`.
+`mla_exact.py` under the `mla_attention` mode, and the MoE a fixed tile and a fixed-order combine. Without `exact`
+the `matmul` mode is unused: those products are the plain `jnp.dot` / `jnp.einsum`.
 
 A `Kernels` value is frozen and hashable: the engine carries it in its `GenSpec`, so it is part of every compiled
 program's key, and passes it down to these functions; nothing here reads a global at trace time. The environment
@@ -92,6 +93,11 @@ class Kernels:
             mla_tiling=tiling_from_text(env.get("DDTREE_MLA_TILING", "")),
             topk_chunk=int(chunk),
         )
+
+    @classmethod
+    def or_env(cls, kernels: Kernels | None) -> Kernels:
+        """`kernels`, or the environment's default selection (`from_env`, read now) when None."""
+        return cls.from_env() if kernels is None else kernels
 
     def with_mode(self, mode: str, op: str | None = None) -> Kernels:
         """This selection with every op, or `op` alone (one of OPS), running `mode`."""

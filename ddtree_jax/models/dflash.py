@@ -129,7 +129,7 @@ class DFlashDrafter(nnx.Module):
         context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`. The attention is
         `sharding.drafter_attention` (context and block as two parts, never concatenated); kernels: the kernel
         selection (None: `Kernels.from_env()`; the engine passes its `GenSpec.kernels`)."""
-        kernels = Kernels.from_env() if kernels is None else kernels
+        kernels = Kernels.or_env(kernels)
         c = self.config
         nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = block_embeds * c.input_embedding_scale

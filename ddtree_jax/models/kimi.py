@@ -291,7 +291,7 @@ class MoE(nnx.Module):
         """x `[T, H]` -> (topk_ids `[T, k]` int32, topk_weights `[T, k]` f32); kernels: the selection of the router's
         f32 product (None: `Kernels.from_env()`)."""
         c = self.cfg
-        kernels = Kernels.from_env() if kernels is None else kernels
+        kernels = Kernels.or_env(kernels)
         logits = dispatch.matmul(kernels, x.astype(jnp.float32), self.gate[...].astype(jnp.float32))
         scores = jax.nn.sigmoid(logits)
         select = scores + self.e_score_correction_bias[...]
@@ -346,7 +346,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, h, positions, cache, cache_len, block_mask, kernels: Kernels | None = None, *, naive=False):
         """One layer; kernels None: `Kernels.from_env()`."""
-        kernels = Kernels.from_env() if kernels is None else kernels
+        kernels = Kernels.or_env(kernels)
         a, cache = self.self_attn(
             rms_norm(h, self.input_layernorm[...], self.eps),
             positions,
@@ -411,7 +411,7 @@ class KimiForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array, kernels: Kernels | None = None) -> jax.Array:
         """Final-normed hidden `[..., H]` -> f32 logits `[..., V]`; kernels: the selection of the lm_head product
         (None: `Kernels.from_env()`)."""
-        kernels = Kernels.from_env() if kernels is None else kernels
+        kernels = Kernels.or_env(kernels)
         with jax.named_scope("lm_head"):
             return dispatch.matmul(kernels, hidden, self.lm_head[...], preferred_element_type=jnp.float32)
 
@@ -430,7 +430,7 @@ class KimiForCausalLM(nnx.Module):
         """tokens/positions `[B, N]`, cache_len `[B]` (slot of the first new token), block_mask `[B, N, N]` bool
         (None: causal). naive=True: per-head prefill attention, only valid when cache_len == 0. kernels: the
         kernel selection (None: `Kernels.from_env()`; the engine passes its `GenSpec.kernels`)."""
-        kernels = Kernels.from_env() if kernels is None else kernels
+        kernels = Kernels.or_env(kernels)
         b, n = tokens.shape
         if block_mask is None:
             block_mask = causal_mask(b, n)
