@@ -9,9 +9,9 @@ import numpy as np
 from ddtree_jax.sizing import cache_slots
 
 
-def run_block(target, kernels, cache, start: int, tokens: np.ndarray, mask: np.ndarray):
+def _forward(target, kernels, cache, start: int, tokens: np.ndarray, mask: np.ndarray):
     """One forward of `tokens [B, N]` at `start` (positions start + depth from `mask [B, N, N]`) -> (residuals
-    `[B, N, layers, H]`, logits `[B, N, V]`) as f32 numpy."""
+    `[B, N, layers, H]`, logits `[B, N, V]`) as f32 numpy, and the cache with the block written."""
     layers = tuple(range(target.config.num_hidden_layers))
     depth = mask.sum(-1) - 1
     b = tokens.shape[0]
@@ -25,41 +25,31 @@ def run_block(target, kernels, cache, start: int, tokens: np.ndarray, mask: np.n
         kernels=kernels,
     )
     feats = np.asarray(out.features.astype(jnp.float32)).reshape(*tokens.shape, len(layers), -1)
-    return feats, np.asarray(target.logits(out.hidden, kernels=kernels))
+    return feats, np.asarray(target.logits(out.hidden, kernels=kernels)), out.cache
+
+
+def run_block(target, kernels, cache, start: int, tokens: np.ndarray, mask: np.ndarray):
+    """One forward of `tokens [B, N]` at `start` (positions start + depth from `mask [B, N, N]`) -> (residuals
+    `[B, N, layers, H]`, logits `[B, N, V]`) as f32 numpy."""
+    feats, logits, _ = _forward(target, kernels, cache, start, tokens, mask)
+    return feats, logits
 
 
 def prefilled(target, kernels, prompts: np.ndarray):
     """The latent caches after prefilling `prompts [B, P]` in one causal block (capacity P + 128 in whole chunks)."""
     b, p = prompts.shape
-    cache = target.init_cache(b, cache_slots(p + 128))
-    mask = np.broadcast_to(np.tril(np.ones((p, p), bool)), (b, p, p))
-    out = target(
-        jnp.asarray(prompts, jnp.int32),
-        jnp.asarray(np.broadcast_to(np.arange(p), (b, p)), jnp.int32),
-        cache,
-        jnp.zeros((b,), jnp.int32),
-        jnp.asarray(mask),
-        kernels=kernels,
-    )
-    return out.cache
+    causal = np.broadcast_to(np.tril(np.ones((p, p), bool)), (b, p, p))
+    return _forward(target, kernels, target.init_cache(b, cache_slots(p + 128)), 0, prompts, causal)[2]
 
 
 def decode_steps(target, kernels, cache, start: int, tokens: np.ndarray):
     """tokens `[B, k]` one per call -> residuals `[B, k, layers, H]`, logits `[B, k, V]`."""
     feats, logits = [], []
+    one = np.ones((tokens.shape[0], 1, 1), bool)
     for t in range(tokens.shape[1]):
-        one = np.ones((tokens.shape[0], 1, 1), bool)
-        f, lg = run_block(target, kernels, cache, start + t, tokens[:, t : t + 1], one)
+        f, lg, cache = _forward(target, kernels, cache, start + t, tokens[:, t : t + 1], one)
         feats.append(f)
         logits.append(lg)
-        cache = target(
-            jnp.asarray(tokens[:, t : t + 1], jnp.int32),
-            jnp.full((tokens.shape[0], 1), start + t, jnp.int32),
-            cache,
-            jnp.full((tokens.shape[0],), start + t, jnp.int32),
-            jnp.asarray(one),
-            kernels=kernels,
-        ).cache
     return np.concatenate(feats, 1), np.concatenate(logits, 1)
 
 
