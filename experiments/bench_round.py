@@ -2,6 +2,7 @@
 
     python -m experiments.bench_round                 # on one H200
     python -m experiments.bench_round --tiny          # CPU smoke test at toy dimensions
+    python -m experiments.bench_round --exact         # the exact numerics (bench_round_exact.json)
 
 Builds the target (experiments/configs/kimi-k2.6, a copy of the released config) with RANDOM weights, INT4
 routed experts, for as many layers as fit in `--mem_gb` beside the caches of the largest cell, and the Kimi
@@ -45,6 +46,7 @@ from ddtree_jax.errors import UserError, run_app
 from ddtree_jax.models.dflash import DFlashDrafter  # noqa: E402
 from ddtree_jax.models.kimi import KimiForCausalLM  # noqa: E402
 from experiments import common, round_pieces  # noqa: E402
+from pallas_kernels.dispatch import Kernels  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target_config", str(common.RELEASED_CONFIGS / "kimi-k2.6"), "Kimi K2.6 config.json (directory)")
@@ -59,6 +61,7 @@ flags.DEFINE_bool("pieces", True, "also time the round's pieces at the first cel
 flags.DEFINE_float("time_limit_s", 0.0, "stop starting new cells after this many seconds (0: no limit)")
 flags.DEFINE_string("sweep_json", str(common.RESULTS_DIR / "sweep_budget.json"), "our measured acceptance")
 flags.DEFINE_bool("tiny", False, "toy dimensions (CPU smoke test of this script)")
+flags.DEFINE_bool("exact", False, "the target's exact numerics (docs/exactness.md); results go to bench_round_exact")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 flags.DEFINE_list(
     "reproject",
@@ -219,6 +222,11 @@ def random_model(build, seed: int):
     return nnx.merge(graphdef, state)
 
 
+def kernels() -> Kernels:
+    """The environment's kernel selection with `--exact`."""
+    return dataclasses.replace(Kernels.from_env(), exact=FLAGS.exact)
+
+
 def time_layer(target, batch: int, tokens: int, context: int) -> float:
     """Median seconds of the last decoder layer (an MoE layer) alone on `batch x tokens` new tokens over a
     `context`-token cache (causal mask inside the block, cache donated and threaded)."""
@@ -231,7 +239,7 @@ def time_layer(target, batch: int, tokens: int, context: int) -> float:
 
     @functools.partial(jax.jit, donate_argnums=1)
     def run(st, cache):
-        return nnx.merge(gd, st)(h, pos, cache, start, mask)
+        return nnx.merge(gd, st)(h, pos, cache, start, mask, kernels())
 
     cache = jax.random.normal(jax.random.key(4), (batch, context + tokens + 1, target.config.latent_dim), jnp.bfloat16)
     sec, _ = round_pieces.timed_threaded(lambda c: run(st, c[1]), (None, cache), warmup=2, repeats=FLAGS.repeats)
@@ -241,7 +249,7 @@ def time_layer(target, batch: int, tokens: int, context: int) -> float:
 def time_ar(target, base: dict) -> tuple[float, dict]:
     """One AR step at (B, C) and one layer at B x 1 tokens -> (projected 61-layer step seconds, its record)."""
     b, ctx = base["concurrency"], base["context"]
-    spec = engine.GenSpec("ar", b, ctx, 64)
+    spec = engine.GenSpec("ar", b, ctx, 64, kernels=kernels())
     times, _ = round_pieces.time_round(
         target, None, spec, round_pieces.synthetic_state(target, None, spec, ctx), repeats=FLAGS.repeats
     )
@@ -338,12 +346,14 @@ def main(_) -> None:
         "full_model_weight_gb": sizing.model_sizes(t_full)["weight_bytes"] / 1e9,
         "drafter_target_layer_ids": list(dcfg.target_layer_ids),
         "tiny": FLAGS.tiny,
+        "exact": FLAGS.exact,
     }
     print(sizes, flush=True)
     ours = our_acceptance(FLAGS.sweep_json)
     meta = common.metadata()
     extra = {"model": sizes, "published_acceptance": {f"{m} b{b}": v for (m, b), v in PUBLISHED.items()}}
     records, ar61 = [], {}
+    name = "bench_round_exact" if FLAGS.exact else "bench_round"
     cells = [(budget, b, ctx) for budget in budgets for b in concs for ctx in contexts]  # every B early
     for n, (budget, b, ctx) in enumerate(bar := tqdm(cells, desc="bench_round")):
         bar.set_postfix_str(f"ddtree b={budget} B={b} C={ctx}")
@@ -356,7 +366,7 @@ def main(_) -> None:
             if (b, ctx) not in ar61:
                 ar61[b, ctx], ar = time_ar(target, base)
                 records.append(ar)
-            spec = engine.GenSpec("ddtree", b, ctx, 64, budget=budget)
+            spec = engine.GenSpec("ddtree", b, ctx, 64, budget=budget, kernels=kernels())
             s = round_pieces.synthetic_state(target, drafter, spec, ctx)
             times, out = round_pieces.time_round(
                 target, drafter, spec, s, repeats=FLAGS.repeats, pieces=FLAGS.pieces and n == 0
@@ -374,8 +384,8 @@ def main(_) -> None:
             records += projections(rec, "ddtree", budget, t61, ar61[b, ctx], ours)
         except Exception as exc:  # noqa: BLE001 - one failing cell (e.g. out of memory) must not lose the rest
             records.append({**rec, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-        common.write_results("bench_round", records, COLUMNS, FLAGS.out_dir or None, extra)
-    common.write_results("bench_round", records, COLUMNS, FLAGS.out_dir or None, extra)
+        common.write_results(name, records, COLUMNS, FLAGS.out_dir or None, extra)
+    common.write_results(name, records, COLUMNS, FLAGS.out_dir or None, extra)
     print(common.markdown_table(records, COLUMNS))
 
 
