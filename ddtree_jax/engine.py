@@ -448,5 +448,12 @@ def compile_generate(target: KimiForCausalLM, drafter: DFlashDrafter | None, spe
     )
     precision = matmul_precision(target.dtype)
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
-        compiled = jax.jit(run).lower(ts, ds, *shapes).compile()
+        compiled = jax.jit(run).lower(ts, ds, *shapes).compile(compiler_options(spec.kernels))
     return compiled, ts, ds
+
+
+def compiler_options(kernels: dispatch.Kernels) -> dict[str, bool] | None:
+    """XLA options of a program: under the exact numerics every bf16 result is rounded where the program says so.
+    XLA otherwise may keep an intermediate in f32 inside a fusion, and which values share a fusion depends on the
+    shapes, so a token's numerics would follow the batch and block size (docs/exactness.md)."""
+    return {"xla_allow_excess_precision": False} if kernels.exact else None

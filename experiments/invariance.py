@@ -3,51 +3,73 @@ tests use it): one-token decode steps, a block under a mask, the ancestor chain 
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from ddtree_jax import engine
 from ddtree_jax.sizing import cache_slots
 
 
-def _forward(target, kernels, cache, start: int, tokens: np.ndarray, mask: np.ndarray):
-    """One forward of `tokens [B, N]` at `start` (positions start + depth from `mask [B, N, N]`) -> (residuals
-    `[B, N, layers, H]`, logits `[B, N, V]`) as f32 numpy, and the cache with the block written."""
-    layers = tuple(range(target.config.num_hidden_layers))
-    depth = mask.sum(-1) - 1
+def _forward(target, kernels, cache, start, tokens: np.ndarray, mask: np.ndarray, jit: bool = False):
+    """One forward of `tokens [B, N]` at `start` (an int, or `[B]` per row; positions start + depth from `mask
+    [B, N, N]`) -> (residuals `[B, N, layers, H]`, logits `[B, N, V]`) as f32 numpy, and the cache with the block
+    written. jit: as one compiled program with the engine's compiler options (XLA fuses across ops), else op by op."""
     b = tokens.shape[0]
+    starts = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
+    positions = starts[:, None] + jnp.asarray(mask.sum(-1) - 1, jnp.int32)
+    run = _compiled(target, kernels) if jit else functools.partial(_run, target, kernels)
+    feats, logits, cache = run(jnp.asarray(tokens, jnp.int32), positions, cache, starts, jnp.asarray(mask))
+    feats = np.asarray(feats.astype(jnp.float32)).reshape(*tokens.shape, target.config.num_hidden_layers, -1)
+    return feats, np.asarray(logits), cache
+
+
+def _run(target, kernels, tokens, positions, cache, starts, mask):
     out = target(
-        jnp.asarray(tokens, jnp.int32),
-        jnp.asarray(start + depth, jnp.int32),
+        tokens,
+        positions,
         cache,
-        jnp.full((b,), start, jnp.int32),
-        jnp.asarray(mask),
-        feature_layers=layers,
+        starts,
+        mask,
+        feature_layers=tuple(range(target.config.num_hidden_layers)),
         kernels=kernels,
     )
-    feats = np.asarray(out.features.astype(jnp.float32)).reshape(*tokens.shape, len(layers), -1)
-    return feats, np.asarray(target.logits(out.hidden, kernels=kernels)), out.cache
+    return out.features, target.logits(out.hidden, kernels=kernels), out.cache
 
 
-def run_block(target, kernels, cache, start: int, tokens: np.ndarray, mask: np.ndarray):
+@functools.cache
+def _compiled(target, kernels):
+    graph, state = nnx.split(target)
+    run = jax.jit(
+        lambda st, *a: _run(nnx.merge(graph, st), kernels, *a), compiler_options=engine.compiler_options(kernels)
+    )
+    return functools.partial(run, state)
+
+
+def run_block(target, kernels, cache, start: int, tokens: np.ndarray, mask: np.ndarray, jit: bool = False):
     """One forward of `tokens [B, N]` at `start` (positions start + depth from `mask [B, N, N]`) -> (residuals
     `[B, N, layers, H]`, logits `[B, N, V]`) as f32 numpy."""
-    feats, logits, _ = _forward(target, kernels, cache, start, tokens, mask)
+    feats, logits, _ = _forward(target, kernels, cache, start, tokens, mask, jit)
     return feats, logits
 
 
-def prefilled(target, kernels, prompts: np.ndarray):
+def prefilled(target, kernels, prompts: np.ndarray, jit: bool = False):
     """The latent caches after prefilling `prompts [B, P]` in one causal block (capacity P + 128 in whole chunks)."""
     b, p = prompts.shape
     causal = np.broadcast_to(np.tril(np.ones((p, p), bool)), (b, p, p))
-    return _forward(target, kernels, target.init_cache(b, cache_slots(p + 128)), 0, prompts, causal)[2]
+    return _forward(target, kernels, target.init_cache(b, cache_slots(p + 128)), 0, prompts, causal, jit)[2]
 
 
-def decode_steps(target, kernels, cache, start: int, tokens: np.ndarray):
-    """tokens `[B, k]` one per call -> residuals `[B, k, layers, H]`, logits `[B, k, V]`."""
+def decode_steps(target, kernels, cache, start, tokens: np.ndarray, jit: bool = False):
+    """tokens `[B, k]` one per call from `start` (an int, or `[B]` per row) -> residuals `[B, k, layers, H]`,
+    logits `[B, k, V]`."""
     feats, logits = [], []
     one = np.ones((tokens.shape[0], 1, 1), bool)
     for t in range(tokens.shape[1]):
-        f, lg, cache = _forward(target, kernels, cache, start + t, tokens[:, t : t + 1], one)
+        f, lg, cache = _forward(target, kernels, cache, np.asarray(start) + t, tokens[:, t : t + 1], one, jit)
         feats.append(f)
         logits.append(lg)
     return np.concatenate(feats, 1), np.concatenate(logits, 1)
