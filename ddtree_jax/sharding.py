@@ -10,7 +10,7 @@ device on `expert`. The same jitted engine runs on sharded arrays; only these pl
 * `topk_logsoftmax`: per-depth top-K of the draft distribution from vocab-sharded logits (local top-K and
   local log-Z per shard, two all-gathers of `[B, D, tensor * K]` at most, a global merge).
 * `mla_attention`, `drafter_attention`: the attention kernels per device on their own heads (a custom call GSPMD
-  cannot split).
+  cannot split; the drafter's takes its layer's projection weights too, split by heads).
 Everything else (the head-parallel projections, dense / shared FFN, the vocab-parallel lm_head, the greedy
 argmax) is left to XLA's GSPMD partitioner, which inserts the all-reduces the shardings imply.
 
@@ -46,6 +46,7 @@ from ddtree_jax import topk
 from ddtree_jax.mesh_spec import MESH_AXES, MeshSpecError, parse_mesh_spec
 from ddtree_jax.models.params import ParamPath, WeightSpec, param_table
 from pallas_kernels import dispatch
+from pallas_kernels.reference import DrafterAttentionWeights
 
 # Logical axis -> mesh axes. The one place that says which mesh axis splits what.
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -212,24 +213,41 @@ def mla_attention(
 
 
 def drafter_attention(
-    kernels: dispatch.Kernels, q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int
+    kernels: dispatch.Kernels,
+    x: jax.Array,
+    weights: DrafterAttentionWeights,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_len: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    layer: int,
+    eps: float,
+    scale: float,
 ) -> jax.Array:
-    """`dispatch.drafter_attention` (q `[B, S, nh, hd]`, stacked cache `[layers, B, L, kvh, hd]`, ctx_len `[B]`,
-    block K/V `[B, S, kvh, hd]`), run per device on its heads under the active mesh: query and KV heads split over
-    `tensor` (each device's query heads read its own KV heads), rows over `data`. No collective."""
+    """`dispatch.drafter_attention` (x `[B, S, H]`, the layer's weights, stacked cache `[layers, B, L, kvh, hd]`,
+    ctx_len `[B]`, RoPE tables `[B, S, hd/2]` -> `[B, S, nh, hd]`), run per device on its heads under the active
+    mesh: q_proj's columns, kv_proj's KV-head columns and the cache's KV heads split over `tensor` (each device's
+    query heads read its own KV heads), rows over `data`, the norms replicated. No collective."""
     mesh = _active
+    kw = {"layer": layer, "eps": eps, "scale": scale}
     if mesh is None:
-        return dispatch.drafter_attention(kernels, q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer)
+        return dispatch.drafter_attention(kernels, x, weights, ctx_k, ctx_v, ctx_len, cos, sin, **kw)
     batch, heads = LOGICAL_AXES["batch"], LOGICAL_AXES["heads"]
-    per_head = PartitionSpec(batch, None, heads, None)
+    rows = PartitionSpec(batch, None, None)
+    replicated = PartitionSpec(None)
+    per_head = DrafterAttentionWeights(
+        replicated, PartitionSpec(None, heads), replicated, replicated, PartitionSpec(None, None, None, heads)
+    )
     cache = PartitionSpec(None, batch, None, heads, None)
     return jax.shard_map(
-        lambda *a: dispatch.drafter_attention(kernels, *a, scale, layer),
+        lambda *a: dispatch.drafter_attention(kernels, *a, **kw),
         mesh=mesh,
-        in_specs=(per_head, cache, cache, PartitionSpec(batch), per_head, per_head),
-        out_specs=per_head,
+        in_specs=(rows, per_head, cache, cache, PartitionSpec(batch), rows, rows),
+        out_specs=PartitionSpec(batch, None, heads, None),
         check_vma=False,  # as in moe_swiglu
-    )(q, ctx_k, ctx_v, ctx_len, block_k, block_v)
+    )(x, weights, ctx_k, ctx_v, ctx_len, cos, sin)
 
 
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------

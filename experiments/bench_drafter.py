@@ -1,10 +1,12 @@
-"""The drafter's forward alone at real dimensions: does its cost follow the context used or the cache allocated?
+"""The drafter's forward alone: what its attention blocks cost by implementation, and whether that cost follows the
+context used or the cache allocated.
 
     python -m experiments.bench_drafter                          # one GPU: allocations 2K and 8K, a 60-token context
+    python -m experiments.bench_drafter --drafter_config=checkpoints/kimi-mini-dflash --allocations=256  # mini drafter
     python -m experiments.bench_drafter --tiny --modes=reference,interpret --allocations=32,64 --context=10  # CPU
 
 Builds the Kimi DFlash drafter (experiments/configs/kimi-k2.5-dflash; --tiny: toy dimensions) with random bf16
-weights. Per (attention implementation of `--modes`, a `Kernels.drafter_attention` mode; concurrency B;
+weights. Per (implementation of its attention blocks of `--modes`, a `Kernels.drafter_attention` mode; concurrency B;
 allocation L): a drafter cache `[layers, B, L, kv_heads, head_dim]` of random values whose first `--context` slots
 are valid, and one drafter forward on a block of random embeddings, timed back to back (median of
 `--repeats`); `max_diff`: its output's largest difference from the first mode's at the same cell (the kernel
@@ -29,7 +31,7 @@ from pallas_kernels.dispatch import Kernels
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("drafter_config", str(common.RELEASED_CONFIGS / "kimi-k2.5-dflash"), "DFlash drafter config")
-flags.DEFINE_list("modes", ["reference", "pallas"], "drafter attention implementations (Kernels modes)")
+flags.DEFINE_list("modes", ["reference", "pallas"], "drafter attention block implementations (Kernels modes)")
 flags.DEFINE_list("concurrency", ["1", "32"], "batch rows")
 flags.DEFINE_list("allocations", ["2048", "8192"], "drafter cache slots allocated per row")
 flags.DEFINE_integer("context", 60, "valid context slots per row")
@@ -46,7 +48,7 @@ def drafter_config():
     if not FLAGS.tiny:
         return cfg
     small = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
-    return dataclasses.replace(cfg, **small, num_key_value_heads=2, head_dim=16, vocab_size=256, mask_token_id=255)
+    return dataclasses.replace(cfg, **small, num_key_value_heads=2, head_dim=32, vocab_size=256, mask_token_id=255)
 
 
 def time_forward(drafter: DFlashDrafter, mode: str, batch: int, allocation: int) -> tuple[float, jax.Array]:

@@ -223,49 +223,64 @@ def build_tree(kernels: Kernels, lp_k, ids_k, root, budget: int, reference):
     return reference(lp_k, ids_k, root, budget)
 
 
-def drafter_attention(kernels: Kernels, q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int):
-    """The drafter's attention at layer `layer`: q `[B, S, nh, hd]`, ctx_k / ctx_v the whole stacked context cache
-    `[layers, B, L, kvh, hd]`, ctx_len `[B]`, block_k / block_v `[B, S, kvh, hd]` -> `[B, S, nh, hd]`; see
-    `reference.drafter_attention_reference` for the semantics (the Pallas kernel reads no cache slot past ctx_len;
-    its gradient is the reference's, so the drafter trains through either)."""
+def drafter_attention(
+    kernels: Kernels,
+    x: jax.Array,
+    weights: reference.DrafterAttentionWeights,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_len: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    layer: int,
+    eps: float,
+    scale: float,
+) -> jax.Array:
+    """One drafter layer's attention block at layer `layer`, from the layer input x `[B, S, H]` (its input norm, the
+    q / k / v projections, their norms and RoPE by the tables cos, sin `[B, S, hd/2]`, the attention over the
+    stacked context cache `[layers, B, L, kvh, hd]` below ctx_len `[B]` and the block) -> `[B, S, nh, hd]`; see
+    `reference.drafter_attention_reference`. The Pallas kernel (`drafter_attention.py`) is one launch and reads no
+    cache slot past ctx_len; its gradient is the reference's, so the drafter trains through either."""
     from pallas_kernels.drafter_attention import unsupported
 
-    impl = _choose("drafter_attention", kernels.drafter_attention, True, unsupported(q, ctx_k))
+    impl = _choose("drafter_attention", kernels.drafter_attention, True, unsupported(x, weights, ctx_k))
     if impl != "reference":
-        return _drafter_attention_kernel(q, ctx_k, ctx_v, ctx_len, block_k, block_v, float(scale), layer, impl)
-    return _drafter_attention_reference(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer)
+        return _drafter_attention_kernel(x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, eps, scale, impl)
+    return reference.drafter_attention_reference(
+        x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer=layer, eps=eps, scale=scale
+    )
 
 
-def _drafter_attention_reference(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int):
-    return reference.drafter_attention_reference(q, ctx_k[layer], ctx_v[layer], ctx_len, block_k, block_v, scale)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _drafter_attention_kernel(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int, impl: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _drafter_attention_kernel(x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, eps, scale, impl: str):
     """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the reference."""
     from pallas_kernels.drafter_attention import drafter_attention_pallas
 
-    interpret = impl == "interpret"
-    return drafter_attention_pallas(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer, interpret=interpret)
+    args = (x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, float(eps), float(scale))
+    return drafter_attention_pallas(*args, interpret=impl == "interpret")
 
 
-def _drafter_attention_fwd(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale: float, layer: int, impl: str):
-    out = _drafter_attention_kernel(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale, layer, impl)
-    return out, (q, ctx_k, ctx_v, ctx_len, block_k, block_v)
+def _drafter_attention_fwd(x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, eps, scale, impl: str):
+    out = _drafter_attention_kernel(x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, eps, scale, impl)
+    return out, (x, weights, ctx_k, ctx_v, ctx_len, cos, sin)
 
 
-def _drafter_attention_bwd(scale: float, layer: int, impl: str, residuals, grad):
-    q, ctx_k, ctx_v, ctx_len, block_k, block_v = residuals
+def _drafter_attention_bwd(layer, eps, scale, impl: str, residuals, grad):
+    x, weights, ctx_k, ctx_v, ctx_len, cos, sin = residuals
     _, vjp = jax.vjp(
-        lambda q, ck, cv, bk, bv: _drafter_attention_reference(q, ck, cv, ctx_len, bk, bv, scale, layer),
-        q,
+        lambda x, w, ck, cv, c, s: reference.drafter_attention_reference(
+            x, w, ck, cv, ctx_len, c, s, layer=layer, eps=eps, scale=scale
+        ),
+        x,
+        weights,
         ctx_k,
         ctx_v,
-        block_k,
-        block_v,
+        cos,
+        sin,
     )
-    dq, dck, dcv, dbk, dbv = vjp(grad)
-    return dq, dck, dcv, None, dbk, dbv  # ctx_len: integer, no cotangent
+    dx, dw, dck, dcv, dcos, dsin = vjp(grad)
+    return dx, dw, dck, dcv, None, dcos, dsin  # ctx_len: integer, no cotangent
 
 
 _drafter_attention_kernel.defvjp(_drafter_attention_fwd, _drafter_attention_bwd)

@@ -1,18 +1,28 @@
-"""Pallas-Triton GPU kernel for the drafter's GQA attention over its context cache and its block.
+"""Pallas-Triton GPU kernel for one drafter layer's attention block, from the layer input to the attention output.
 
-Semantics are those of `reference.drafter_attention_reference`. Layout of the work:
+Semantics are those of `reference.drafter_attention_reference`, casts included (projections rounded to the input
+dtype, norms and RoPE in f32 rounded back). One program per (sequence, KV head) and its G = nh / kvh query heads:
 
-* One program per (sequence, KV head): the `S * G` query rows of that KV head (row r = block position r // G,
-  query head r % G of the group) are one `[rows, hd]` matrix against `[block_l, hd]` tiles of that head's K/V.
-* The context part loops over the tiles below `ctx_len[b]` only: slots past a row's context length are never read,
-  so the cost follows the context used, not the allocation. The block (all visible) is one more tile.
-* Online softmax (flash attention): running max, exp-sum and P V in f32, one normalisation at the end.
-* The context cache is passed whole `[layers, B, L, kvh, hd]` with the layer index in the block index map, so no
-  slice of it is materialised per layer.
+* Rows. x, the RoPE tables and the output are `[B*S, ...]` arrays; a program reads and writes its S rows as
+  R = max(16, S) rows from row b*S by masked loads and stores (Triton dots take at least 16 rows), so no padded
+  copy exists outside the kernel. Rows past S are zeros, never seen as keys and never written.
+* Projection (`_project`). The input RMS norm in f32 (a first pass over H for the sum of squares), then the group's
+  queries and the head's K and V of the block, accumulated in f32 over tiles of up to BLOCK_H inputs. Every head is
+  kept as its low and high halves (weight columns loaded by halves), so RoPE needs no concatenation in registers.
+  Each program reads its group's projection columns, i.e. every sequence re-reads them: when they exceed
+  PROJECT_MAX_BYTES (a large hidden size) the projections run in XLA before the kernel, one product each over all
+  rows (`reference.drafter_projections`), and the kernel loads them (`_load_projections`).
+* Per-head q / k RMS norm (the sum of squares of both halves) and rotate-half RoPE on the halves; a score is
+  q_lo k_lo^T + q_hi k_hi^T, the context cache's K loaded by halves too.
+* Attention (`_attend`): online softmax in f32, one accumulator per query head, over the context tiles below
+  ctx_len[b] (slots past it are never read: the cost follows the context used, not the allocation), then the block.
+* The stacked caches `[layers, B, L, kvh, hd]` and kv_proj `[layers, 2, H, kvh*hd]` are passed whole with the layer
+  in the block index map, so no per-layer slice of them is materialised.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -22,110 +32,269 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.reference import DrafterAttentionWeights, drafter_projections
+
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start: a fully masked tile never produces inf - inf
 MIN_DIM = 16  # Triton dots take operands of at least 16 rows and columns
-BLOCK_L = 64
+BLOCK_L = 64  # context slots per tile
+BLOCK_H = 128  # inputs per projection tile
+PROJECT_MAX_BYTES = 1 << 19  # a program's projection columns above this: the projections run in XLA
+
+Halves = tuple[jax.Array, jax.Array]  # one head's (low, high) halves `[R, hd/2]`
 
 
-def unsupported(q: jax.Array, ctx_k: jax.Array) -> str:
-    """Why the kernel cannot take these shapes ('' when it can): a power-of-two head dim >= 16, a cache of at least
-    16 slots."""
-    hd, length = q.shape[-1], ctx_k.shape[2]
-    if hd < MIN_DIM or hd & (hd - 1):
-        return f"the Pallas drafter attention takes a power-of-two head dim >= {MIN_DIM}, not {hd}"
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """Static sizes of a call: S block rows (R with padding), head dim, G query heads per KV head, hidden size H and
+    its tile, the cache tile, and the norms' eps and the softmax scale."""
+
+    rows: int
+    block_rows: int
+    head_dim: int
+    group: int
+    hidden: int
+    block_h: int
+    block_l: int
+    eps: float
+    scale: float
+
+
+def project_in_kernel(x: jax.Array, w: DrafterAttentionWeights) -> bool:
+    """Whether each program projects its own rows: its group's projection columns (G query heads, one K and one V
+    head, `[H, (G + 2) * hd]`) take at most PROJECT_MAX_BYTES."""
+    group = w.q_proj.shape[1] // w.kv_proj.shape[3]
+    return x.shape[-1] * (group + 2) * w.q_norm.shape[0] * x.dtype.itemsize <= PROJECT_MAX_BYTES
+
+
+def unsupported(x: jax.Array, w: DrafterAttentionWeights, ctx_k: jax.Array) -> str:
+    """Why the kernel cannot take these inputs ('' when it can): x, weights and cache of one dtype, a power-of-two
+    head dim >= 32 (its halves are dot operands), a cache of at least 16 slots, and when projecting in the kernel a
+    hidden size that is a multiple of 16."""
+    dtypes = sorted({str(a.dtype) for a in (x, *w, ctx_k)})
+    hd, length, hidden = w.q_norm.shape[0], ctx_k.shape[2], x.shape[-1]
+    if len(dtypes) > 1:
+        return f"the Pallas drafter attention takes x, weights and cache of one dtype, not {dtypes}"
+    if hd < 2 * MIN_DIM or hd & (hd - 1):
+        return f"the Pallas drafter attention takes a power-of-two head dim >= {2 * MIN_DIM}, not {hd}"
     if length < MIN_DIM:
         return f"the Pallas drafter attention takes a cache of at least {MIN_DIM} slots, not {length}"
+    if project_in_kernel(x, w) and hidden % MIN_DIM:
+        return f"the Pallas drafter attention takes a hidden size that is a multiple of {MIN_DIM}, not {hidden}"
     return ""
 
 
-def _kernel(len_ref, q_ref, ck_ref, cv_ref, bk_ref, bv_ref, o_ref, *, scale: float, block_len: int, block_l: int):
-    """One (sequence, KV head) program.
+def _dot(a: jax.Array, b: jax.Array, transpose_b: bool = False) -> jax.Array:
+    """a @ b (a @ b.T when transpose_b) accumulated in f32. f32 operands multiply in IEEE f32 (Triton's default for
+    them is TF32); bf16 ones need no setting."""
+    dims = (((1,), (1,)) if transpose_b else ((1,), (0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
-    len_ref: scalar int32 context length; q_ref `[R, hd]`; ck_ref, cv_ref `[L, hd]` (that head's whole cache row);
-    bk_ref, bv_ref `[Sb, hd]` (the block, padded to Sb rows, `block_len` of them real); o_ref `[R, hd]`.
-    """
-    length = ck_ref.shape[0]
-    ctx_len = len_ref[()]
-    q = q_ref[...]
-    qk_scale = scale * _LOG2E
-    # f32 operands multiply in IEEE f32 (Triton's default for them is TF32); bf16 ones need no setting
-    dot = functools.partial(
-        jnp.dot,
-        preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST if ck_ref.dtype == jnp.float32 else None,
+
+def _row_mask(d: _Dims) -> jax.Array:
+    """`[R]` bool: which of the program's rows are the block's (the first S)."""
+    return jnp.arange(d.block_rows, dtype=jnp.int32) < d.rows
+
+
+def _load_rows(ref, row0: jax.Array, d: _Dims, cols: pl.Slice) -> jax.Array:
+    """R rows from `row0` of `ref [B*S, C]` at columns `cols`; rows past the first S read as 0."""
+    return pltriton.load(ref.at[pl.ds(row0, d.block_rows), cols], mask=_row_mask(d)[:, None], other=0)
+
+
+def _store_rows(ref, row0: jax.Array, d: _Dims, cols: pl.Slice, value: jax.Array) -> None:
+    """Write the first S of `value [R, C]`'s rows to rows `row0..` of `ref [B*S, ...]` at columns `cols`."""
+    pltriton.store(ref.at[pl.ds(row0, d.block_rows), cols], value, mask=_row_mask(d)[:, None])
+
+
+def _project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d: _Dims) -> tuple[list[Halves], Halves, jax.Array]:
+    """The program's projections of its rows. x_ref `[B*S, H]`, g_ref `[H]` (input norm), wq_ref `[H, G*hd]` (the
+    group's query columns), wk_ref, wv_ref `[H, kvh*hd]` (the layer's kv_proj) -> (G query heads, the K head) as
+    halves `[R, hd/2]` and V `[R, hd]`, rounded to x.dtype: a = rms_norm(x) in x.dtype, a @ W accumulated in f32."""
+    dtype, half, n_tiles = x_ref.dtype, d.head_dim // 2, d.hidden // d.block_h
+    row0, kv_col = pl.program_id(0) * d.rows, pl.program_id(1) * d.head_dim  # outside the loops for interpret mode
+
+    def x_tile(i):
+        return _load_rows(x_ref, row0, d, pl.ds(i * d.block_h, d.block_h)).astype(jnp.float32)
+
+    def sum_squares(i, acc):
+        xt = x_tile(i)
+        return acc + jnp.sum(xt * xt, axis=1)
+
+    sumsq = lax.fori_loop(0, n_tiles, sum_squares, jnp.zeros((d.block_rows,), jnp.float32))
+    inv = lax.rsqrt(sumsq / d.hidden + d.eps)[:, None]
+
+    def tile(i, accs):
+        ins = pl.ds(i * d.block_h, d.block_h)
+        a = g_ref[ins].astype(dtype)[None, :] * (x_tile(i) * inv).astype(dtype)
+        weights = [wq_ref[ins, pl.ds(j * d.head_dim + p * half, half)] for j in range(d.group) for p in (0, 1)]
+        weights += [wk_ref[ins, pl.ds(kv_col + p * half, half)] for p in (0, 1)]
+        weights.append(wv_ref[ins, pl.ds(kv_col, d.head_dim)])
+        return tuple(acc + _dot(a, w) for acc, w in zip(accs, weights, strict=True))
+
+    zeros = [jnp.zeros((d.block_rows, half), jnp.float32)] * (2 * d.group + 2)
+    zeros.append(jnp.zeros((d.block_rows, d.head_dim), jnp.float32))
+    *halves, v = (acc.astype(dtype) for acc in lax.fori_loop(0, n_tiles, tile, tuple(zeros)))
+    pairs = [tuple(halves[i : i + 2]) for i in range(0, len(halves), 2)]
+    return pairs[:-1], pairs[-1], v
+
+
+def _load_projections(q_ref, k_ref, v_ref, d: _Dims) -> tuple[list[Halves], Halves, jax.Array]:
+    """The program's projections computed before the kernel: q_ref `[B*S, G*hd]` (the group's query columns),
+    k_ref, v_ref `[B*S, kvh*hd]` -> as `_project`."""
+    half, row0, kv_col = d.head_dim // 2, pl.program_id(0) * d.rows, pl.program_id(1) * d.head_dim
+    qs = [
+        tuple(_load_rows(q_ref, row0, d, pl.ds(j * d.head_dim + p * half, half)) for p in (0, 1))
+        for j in range(d.group)
+    ]
+    k = tuple(_load_rows(k_ref, row0, d, pl.ds(kv_col + p * half, half)) for p in (0, 1))
+    return qs, k, _load_rows(v_ref, row0, d, pl.ds(kv_col, d.head_dim))
+
+
+def _norm_rope(head: Halves, w_ref, cos: jax.Array, sin: jax.Array, d: _Dims) -> Halves:
+    """rms_norm (weight w_ref `[hd]`) then rotate-half RoPE (cos, sin `[R, hd/2]` f32) of one head given as halves in
+    the input dtype -> its rotated halves in that dtype."""
+    dtype, half = head[0].dtype, d.head_dim // 2
+    lo, hi = (t.astype(jnp.float32) for t in head)
+    inv = lax.rsqrt((jnp.sum(lo * lo, axis=1) + jnp.sum(hi * hi, axis=1)) / d.head_dim + d.eps)[:, None]
+    lo, hi = (
+        (w_ref[pl.ds(p * half, half)].astype(dtype)[None, :] * (t * inv).astype(dtype)).astype(jnp.float32)
+        for p, t in ((0, lo), (1, hi))
     )
+    return (lo * cos - hi * sin).astype(dtype), (hi * cos + lo * sin).astype(dtype)
 
-    def update(carry, k, v, seen):
-        acc, m_i, l_i = carry
-        s = jnp.where(seen[None, :], dot(q, k.T) * qk_scale, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        return acc * alpha[:, None] + dot(p.astype(v.dtype), v), m_new, l_i * alpha + jnp.sum(p, axis=1)
 
-    cols = jnp.arange(block_l, dtype=jnp.int32)
+def _attend(len_ref, ck_ref, cv_ref, o_ref, qs: list[Halves], k: Halves, v: jax.Array, d: _Dims) -> None:
+    """Attention of the group's queries `qs` over the context slots below ctx_len (len_ref, a scalar; ck_ref, cv_ref
+    `[L, hd]`, the head's cache row) and the block (keys `k`, values v `[R, hd]`, its S real rows visible); writes
+    each query head's S rows to its columns of o_ref `[B*S, G*hd]`."""
+    ctx_len, length, half, row0 = len_ref[()], ck_ref.shape[0], d.head_dim // 2, pl.program_id(0) * d.rows
+    qk_scale = d.scale * _LOG2E
+
+    def update(carry, k_lo, k_hi, vals, seen):
+        out = []
+        for (acc, m_i, l_i), (q_lo, q_hi) in zip(carry, qs, strict=True):
+            s = (_dot(q_lo, k_lo, transpose_b=True) + _dot(q_hi, k_hi, transpose_b=True)) * qk_scale
+            s = jnp.where(seen[None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            out.append((acc * alpha[:, None] + _dot(p.astype(vals.dtype), vals), m_new, l_i * alpha + jnp.sum(p, 1)))
+        return tuple(out)
+
+    cols = jnp.arange(d.block_l, dtype=jnp.int32)
 
     def tile(t, carry):
-        start = jnp.minimum(t * block_l, length - block_l)  # the last tile may overlap its predecessor
+        start = jnp.minimum(t * d.block_l, length - d.block_l)  # the last tile may overlap its predecessor
         slot = start + cols
-        seen = (slot >= t * block_l) & (slot < ctx_len)
-        return update(carry, ck_ref[pl.ds(start, block_l), :], cv_ref[pl.ds(start, block_l), :], seen)
+        seen = (slot >= t * d.block_l) & (slot < ctx_len)
+        keys = pl.ds(start, d.block_l)
+        return update(carry, ck_ref[keys, pl.ds(0, half)], ck_ref[keys, pl.ds(half, half)], cv_ref[keys, :], seen)
 
-    rows, hd = q.shape
-    carry = (
-        jnp.zeros((rows, hd), jnp.float32),
-        jnp.full((rows,), _NEG_INIT, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
+    head = (
+        jnp.zeros((d.block_rows, d.head_dim), jnp.float32),
+        jnp.full((d.block_rows,), _NEG_INIT, jnp.float32),
+        jnp.zeros((d.block_rows,), jnp.float32),
     )
-    carry = lax.fori_loop(0, pl.cdiv(ctx_len, block_l), tile, carry)
-    in_block = jnp.arange(bk_ref.shape[0], dtype=jnp.int32) < block_len
-    acc, _, l_i = update(carry, bk_ref[...], bv_ref[...], in_block)
-    o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)  # l_i >= 1: every row sees its block
+    carry = lax.fori_loop(0, pl.cdiv(ctx_len, d.block_l), tile, (head,) * len(qs))
+    carry = update(carry, *k, v, _row_mask(d))
+    for j, (acc, _, l_i) in enumerate(carry):  # l_i >= 1: every row sees its block
+        _store_rows(o_ref, row0, d, pl.ds(j * d.head_dim, d.head_dim), (acc / l_i[:, None]).astype(o_ref.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "layer", "interpret"))
+def _attention_block(projections, len_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_ref, cv_ref, o_ref, d: _Dims):
+    """Norms and RoPE of the program's projections (`_project` / `_load_projections`), then `_attend`."""
+    qs, k, v = projections
+    row0, half = pl.program_id(0) * d.rows, d.head_dim // 2
+    cos, sin = (_load_rows(ref, row0, d, pl.ds(0, half)).astype(jnp.float32) for ref in (cos_ref, sin_ref))
+    qs = [_norm_rope(q, qn_ref, cos, sin, d) for q in qs]
+    _attend(len_ref, ck_ref, cv_ref, o_ref, qs, _norm_rope(k, kn_ref, cos, sin, d), v, d)
+
+
+def _fused_kernel(len_ref, x_ref, g_ref, wq_ref, wk_ref, wv_ref, *refs, d: _Dims):
+    """One (sequence, KV head) program projecting its own rows; refs: q_norm, k_norm, cos, sin, cache K, cache V,
+    the output (see `drafter_attention_pallas`)."""
+    _attention_block(_project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d), len_ref, *refs, d)
+
+
+def _projected_kernel(len_ref, q_ref, k_ref, v_ref, *refs, d: _Dims):
+    """One (sequence, KV head) program on projections computed before the kernel; refs as `_fused_kernel`'s."""
+    _attention_block(_load_projections(q_ref, k_ref, v_ref, d), len_ref, *refs, d)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "eps", "scale", "project", "interpret"))
 def drafter_attention_pallas(
-    q: jax.Array,
+    x: jax.Array,
+    w: DrafterAttentionWeights,
     ctx_k: jax.Array,
     ctx_v: jax.Array,
     ctx_len: jax.Array,
-    block_k: jax.Array,
-    block_v: jax.Array,
-    scale: float,
+    cos: jax.Array,
+    sin: jax.Array,
     layer: int,
+    eps: float,
+    scale: float,
     *,
+    project: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """The drafter's attention; see `reference.drafter_attention_reference` (which takes layer `layer` of the cache).
+    """One drafter layer's attention block; see `reference.drafter_attention_reference` for the arguments.
 
-    q `[B, S, nh, hd]`; ctx_k, ctx_v `[layers, B, L, kvh, hd]` (layer `layer` read, slots `< ctx_len[b]` only);
-    ctx_len `[B]` int32; block_k, block_v `[B, S, kvh, hd]` -> `[B, S, nh, hd]` in q.dtype. `scale` and `layer`
-    are compile-time constants. Shapes must pass `unsupported`.
+    x `[B, S, H]`; w (kv_proj `[layers, 2, H, kvh*hd]`, layer `layer` read); ctx_k, ctx_v `[layers, B, L, kvh, hd]`
+    (layer `layer`, slots `< ctx_len[b]` only); ctx_len `[B]` int32; cos, sin `[B, S, hd/2]` f32 -> `[B, S, nh, hd]`
+    in x.dtype. `layer`, `eps` and `scale` are compile-time constants; project: whether the programs project their
+    rows (None: `project_in_kernel`). Inputs must pass `unsupported`.
     """
-    b, s, nh, hd = q.shape
-    kvh, length = ctx_k.shape[3], ctx_k.shape[2]
-    if why := unsupported(q, ctx_k):
+    if why := unsupported(x, w, ctx_k):
         raise ValueError(why)
-    group = nh // kvh
-    rows = s * group
-    rows_pad = max(MIN_DIM, pl.next_power_of_2(rows))
-    block_pad = max(MIN_DIM, pl.next_power_of_2(s))
-    block_l = min(BLOCK_L, 1 << (length.bit_length() - 1))  # a power of two <= L
-    qr = jnp.swapaxes(q.reshape(b, s, kvh, group, hd), 1, 2).reshape(b, kvh, rows, hd).astype(ctx_k.dtype)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-    bk, bv = (jnp.pad(x.astype(ctx_k.dtype), ((0, 0), (0, block_pad - s), (0, 0), (0, 0))) for x in (block_k, block_v))
-    cache_spec = pl.BlockSpec((None, None, length, None, hd), lambda i, h: (layer, i, 0, h, 0))
-    block_spec = pl.BlockSpec((None, block_pad, None, hd), lambda i, h: (i, 0, h, 0))
-    row_spec = pl.BlockSpec((None, None, rows_pad, hd), lambda i, h: (i, h, 0, 0))
+    b, s, hidden = x.shape
+    hd, length = w.q_norm.shape[0], ctx_k.shape[2]
+    kvh, nh = w.kv_proj.shape[3] // hd, w.q_proj.shape[1] // hd
+    d = _Dims(
+        rows=s,
+        block_rows=max(MIN_DIM, pl.next_power_of_2(s)),
+        head_dim=hd,
+        group=nh // kvh,
+        hidden=hidden,
+        block_h=math.gcd(hidden, BLOCK_H),
+        block_l=min(BLOCK_L, 1 << (length.bit_length() - 1)),  # a power of two <= L
+        eps=eps,
+        scale=scale,
+    )
+    n = b * s
+
+    def whole(a: jax.Array) -> pl.BlockSpec:
+        return pl.BlockSpec(a.shape, lambda i, h: (0,) * a.ndim)
+
+    group_cols = pl.BlockSpec((n, d.group * hd), lambda i, h: (0, h))
+    cache = pl.BlockSpec((None, None, length, None, hd), lambda i, h: (layer, i, 0, h, 0))
+    cos, sin = cos.reshape(n, hd // 2), sin.reshape(n, hd // 2)
+    if project is None:
+        project = project_in_kernel(x, w)
+    if project:
+        kernel, rows = _fused_kernel, x.reshape(n, hidden)
+        args = (rows, w.input_norm, w.q_proj, w.kv_proj, w.kv_proj)
+        specs = [whole(rows), whole(w.input_norm), pl.BlockSpec((hidden, d.group * hd), lambda i, h: (0, h))]
+        specs += [pl.BlockSpec((None, None, hidden, kvh * hd), lambda i, h, t=t: (layer, t, 0, 0)) for t in (0, 1)]
+    else:
+        q, kv = drafter_projections(x, w, layer, eps)
+        kv = kv.reshape(2, n, kvh * hd)
+        kernel, args = _projected_kernel, (q.reshape(n, nh * hd), kv, kv)
+        specs = [group_cols, *(pl.BlockSpec((None, n, kvh * hd), lambda i, h, t=t: (t, 0, 0)) for t in (0, 1))]
     o = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), block_len=s, block_l=block_l),
+        functools.partial(kernel, d=d),
         grid=(b, kvh),
-        in_specs=[pl.BlockSpec((None,), lambda i, h: (i,)), row_spec, cache_spec, cache_spec, block_spec, block_spec],
-        out_specs=row_spec,
-        out_shape=jax.ShapeDtypeStruct((b, kvh, rows_pad, hd), q.dtype),
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, h: (i,)),
+            *specs,
+            *map(whole, (w.q_norm, w.k_norm, cos, sin)),
+            cache,
+            cache,
+        ],
+        out_specs=group_cols,
+        out_shape=jax.ShapeDtypeStruct((n, nh * hd), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="drafter_attention",
-    )(ctx_len.astype(jnp.int32), qr, ctx_k, ctx_v, bk, bv)
-    return jnp.swapaxes(o[:, :, :rows].reshape(b, kvh, s, group, hd), 1, 2).reshape(b, s, nh, hd)
+    )(ctx_len.astype(jnp.int32), *args, w.q_norm, w.k_norm, cos, sin, ctx_k, ctx_v)
+    return o.reshape(b, s, nh, hd)

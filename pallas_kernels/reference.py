@@ -6,6 +6,7 @@ Kernels (and these references) know nothing of models: they take arrays.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -153,7 +154,7 @@ def merge_parts(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Arra
     return num / den[..., None]
 
 
-def drafter_attention_reference(
+def block_attention(
     q: jax.Array,
     ctx_k: jax.Array,
     ctx_v: jax.Array,
@@ -175,3 +176,71 @@ def drafter_attention_reference(
     ctx_visible = jnp.arange(ctx_k.shape[1])[None, :] < ctx_len[:, None]
     parts = [attention_part(qg, ctx_k, ctx_v, ctx_visible, scale), attention_part(qg, block_k, block_v, None, scale)]
     return merge_parts(parts).reshape(b, s, nh, hd).astype(q.dtype)
+
+
+class DrafterAttentionWeights(NamedTuple):
+    """One drafter layer's attention weights: input_norm `[H]`, q_proj `[H, nh*hd]` (query head j in columns
+    j*hd..), q_norm and k_norm `[hd]`, and every layer's K/V projection stacked, kv_proj `[layers, 2, H, kvh*hd]`
+    (K then V; KV head h in columns h*hd..), of which the op reads one layer."""
+
+    input_norm: jax.Array
+    q_proj: jax.Array
+    q_norm: jax.Array
+    k_norm: jax.Array
+    kv_proj: jax.Array
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """g * cast_back(x_f32 / sqrt(mean(x_f32^2) + eps)) over the last axis (the models' `layers.rms_norm`)."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of x `[B, S, heads, hd]` by the tables cos, sin `[B, S, hd/2]` f32: pairs (i, i + hd/2),
+    computed in f32, returned in x.dtype (the models' `layers.rope_half` at the tables' positions)."""
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x0, x1 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1).astype(x.dtype)
+
+
+def drafter_projections(
+    x: jax.Array, w: DrafterAttentionWeights, layer: int, eps: float
+) -> tuple[jax.Array, jax.Array]:
+    """The block's projections before their norms: x `[B, S, H]` -> (q `[B, S, nh*hd]`, kv `[2, B, S, kvh*hd]`),
+    both of a = rms_norm(x, input_norm) in x.dtype (K and V by one product with kv_proj[layer])."""
+    a = rms_norm(x, w.input_norm, eps)
+    return jnp.dot(a, w.q_proj), jnp.einsum("bsh,thd->tbsd", a, w.kv_proj[layer])
+
+
+def drafter_attention_reference(
+    x: jax.Array,
+    w: DrafterAttentionWeights,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_len: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    layer: int,
+    eps: float,
+    scale: float,
+) -> jax.Array:
+    """One drafter layer's attention block, from the layer input to the attention output (o_proj not applied).
+
+    x: `[B, S, H]`, the block's residual stream; w: the layer's weights (`DrafterAttentionWeights`, kv_proj's layer
+    `layer` read); ctx_k, ctx_v: every layer's context cache `[layers, B, L, kvh, hd]` (k normed and roped), layer
+    `layer` read at slots `< ctx_len[b]` (ctx_len `[B]` int32); cos, sin: `[B, S, hd/2]` f32, the RoPE tables of the
+    block's positions. Computes a = rms_norm(x); q = a Wq and (k, v) = a kv_proj[layer] in x.dtype; per-head
+    rms_norm (q_norm, k_norm) and rotate-half RoPE of q and k; then `block_attention`. Returns `[B, S, nh, hd]` in
+    x.dtype.
+    """
+    hd = w.q_norm.shape[0]
+    q, kv = drafter_projections(x, w, layer, eps)
+    heads = lambda t: t.reshape(*t.shape[:-1], -1, hd)  # noqa: E731
+    q = rope_rotate_half(rms_norm(heads(q), w.q_norm, eps), cos, sin)
+    k = rope_rotate_half(rms_norm(heads(kv[0]), w.k_norm, eps), cos, sin)
+    return block_attention(q, ctx_k[layer], ctx_v[layer], ctx_len, k, heads(kv[1]), scale)

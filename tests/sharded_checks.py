@@ -33,7 +33,8 @@ BATCH, PROMPT, NEW, BUDGET = 2, 6, 16, 8
 
 def pair() -> tuple[KimiForCausalLM, DFlashDrafter]:
     target = KimiForCausalLM(CFG, rngs=nnx.Rngs(3), dtype=jnp.float32)
-    drafter_cfg = tiny_dflash_config(CFG, num_key_value_heads=4)  # KV heads split over tensor <= 4
+    # KV heads split over tensor <= 4; head dim 32, the drafter kernel's least
+    drafter_cfg = tiny_dflash_config(CFG, num_key_value_heads=4, head_dim=32)
     return target, DFlashDrafter(drafter_cfg, rngs=nnx.Rngs(4), dtype=jnp.float32)
 
 

@@ -1,5 +1,6 @@
-"""The drafter's attention: context cache and block as two parts merged by log-sum-exp (the reference) and the Pallas
-kernel in interpret mode, against the formula that concatenates them (the oracle written here), and the drafter
+"""The drafter's attention block: the reference's attention (context cache and block as two parts merged by
+log-sum-exp) against the formula that concatenates them (the oracle written here), the reference block against the
+model's own layer math, the fused Pallas kernel in interpret mode against the reference block, and the drafter
 through the dispatch point."""
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ import pytest
 from conftest import tiny_dflash_config, tiny_kimi_config
 from flax import nnx
 
+from ddtree_jax.models import layers
 from ddtree_jax.models.dflash import DFlashDrafter
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
-from pallas_kernels.drafter_attention import drafter_attention_pallas
-from pallas_kernels.drafter_attention import unsupported as drafter_attention_unsupported
-from pallas_kernels.reference import drafter_attention_reference
+from pallas_kernels.drafter_attention import drafter_attention_pallas, project_in_kernel, unsupported
+from pallas_kernels.reference import DrafterAttentionWeights, block_attention, drafter_attention_reference
 
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 MODES = ("reference", "interpret")
+EPS = 1e-6
+LAYER = 1  # of 3 stacked layers: the block reads the middle one
+INV_FREQ = layers.yarn_inv_freq(32, 50000.0, None)
 
 
 def assert_close(got, want, dtype, factor: float = 1.0) -> None:
@@ -45,91 +49,160 @@ def concatenated(q, ctx_k, ctx_v, ctx_len, block_k, block_v, scale):
     return o.astype(q.dtype).reshape(b, s, nh, hd)
 
 
-def inputs(rng: np.random.Generator, b: int, s: int, length: int, nh: int, kvh: int, hd: int, dtype):
-    """Random q, context K/V, block K/V; context lengths cover 0 and the whole allocation."""
+def context_lengths(rng: np.random.Generator, b: int, length: int) -> jax.Array:
+    """Ragged lengths in [0, length]; the first row's context is empty, the last row's the whole allocation."""
+    ctx_len = rng.integers(0, length + 1, b)
+    ctx_len[0], ctx_len[-1] = 0, length
+    return jnp.asarray(ctx_len, jnp.int32)
+
+
+def attention_inputs(rng: np.random.Generator, b: int, s: int, length: int, nh: int, kvh: int, hd: int, dtype):
+    """Random q, context K/V, block K/V of one attention."""
 
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape), dtype)
 
-    ctx_len = rng.integers(0, length + 1, b)
-    ctx_len[0], ctx_len[-1] = 0, length
+    ctx_len = context_lengths(rng, b, length)
     q = normal(b, s, nh, hd)
     return (
         q,
         normal(b, length, kvh, hd),
         normal(b, length, kvh, hd),
-        jnp.asarray(ctx_len, jnp.int32),
-        *(normal(b, s, kvh, hd) for _ in range(2)),
+        ctx_len,
+        normal(b, s, kvh, hd),
+        normal(b, s, kvh, hd),
     )
+
+
+def block_inputs(rng: np.random.Generator, b: int, s: int, length: int, nh: int, kvh: int, dtype, hidden: int = 64):
+    """The arguments of one attention block (head dim 32, 3 stacked layers): x, weights, caches, lengths, RoPE
+    tables of positions ctx_len + 0..S-1."""
+
+    def normal(*shape, scale=1.0, shift=0.0):
+        return jnp.asarray(rng.standard_normal(shape) * scale + shift, dtype)
+
+    hd = 32
+    weights = DrafterAttentionWeights(
+        input_norm=normal(hidden, scale=0.2, shift=1.0),
+        q_proj=normal(hidden, nh * hd, scale=hidden**-0.5),
+        q_norm=normal(hd, scale=0.2, shift=1.0),
+        k_norm=normal(hd, scale=0.2, shift=1.0),
+        kv_proj=normal(3, 2, hidden, kvh * hd, scale=hidden**-0.5),
+    )
+    ctx_len = context_lengths(rng, b, length)
+    cos, sin = layers.rope_cos_sin(ctx_len[:, None] + jnp.arange(s)[None, :], INV_FREQ)
+    cache = [normal(3, b, length, kvh, hd) for _ in range(2)]
+    return normal(b, s, hidden), weights, *cache, ctx_len, cos, sin
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("nh", "kvh"), [(8, 2), (4, 4), (6, 1)])
 def test_split_attention_equals_the_concatenated_one(dtype, nh, kvh):
     rng = np.random.default_rng()
-    args = inputs(rng, 5, 8, 37, nh, kvh, 16, dtype)
-    got = drafter_attention_reference(*args, 0.25)
+    args = attention_inputs(rng, 5, 8, 37, nh, kvh, 16, dtype)
+    got = block_attention(*args, 0.25)
     want = concatenated(*args, 0.25)
     assert got.dtype == dtype and got.shape == (5, 8, nh, 16)
     assert np.isfinite(np.asarray(got, np.float32)).all()  # an empty context (ctx_len 0) contributes nothing
-    assert_close(got, want, dtype)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize(("s", "nh", "kvh", "length"), [(8, 8, 2, 37), (4, 4, 4, 16), (5, 6, 1, 130)])
-def test_kernel_equals_the_concatenated_attention(dtype, s, nh, kvh, length):
-    """Interpret mode, at layer 1 of a stacked cache; lengths not a multiple of the tile, blocks and row counts
-    that need padding."""
-    rng = np.random.default_rng()
-    q, ck, cv, ctx_len, bk, bv = inputs(rng, 4, s, length, nh, kvh, 16, dtype)
-    other = jnp.full_like(ck, 7.0)
-    stacked_k, stacked_v = jnp.stack([other, ck, other]), jnp.stack([other, cv, other])
-    got = drafter_attention_pallas(q, stacked_k, stacked_v, ctx_len, bk, bv, 0.25, 1, interpret=True)
-    want = concatenated(q, ck, cv, ctx_len, bk, bv, 0.25)
-    assert got.dtype == dtype and got.shape == want.shape
-    assert_close(got, want, dtype)
-
-
-def test_dispatch_runs_the_kernel_or_the_reference_by_mode():
-    rng = np.random.default_rng()
-    q, ck, cv, ctx_len, bk, bv = inputs(rng, 2, 4, 16, 4, 2, 16, jnp.float32)
-    args = (q, ck[None], cv[None], ctx_len, bk, bv, 0.25, 0)
-    want = np.asarray(concatenated(q, ck, cv, ctx_len, bk, bv, 0.25))
-    for mode in ("auto", "reference", "interpret"):  # auto: the reference on this CPU
-        got = dispatch.drafter_attention(Kernels().with_mode(mode, op="drafter_attention"), *args)
-        assert_close(got, want, jnp.float32)
-    q8 = jnp.zeros((2, 4, 4, 8))
-    assert "head dim" in drafter_attention_unsupported(q8, ck[None])
-    with pytest.raises(ValueError, match="head dim"):
-        dispatch.drafter_attention(Kernels().with_mode("interpret"), q8, *args[1:])
-
-
-def test_kernel_gradient_is_the_references():
-    """The drafter trains through the kernel path: its gradient (w.r.t. q, the stacked cache and the block) is the
-    reference's."""
-    rng = np.random.default_rng()
-    q, ck, cv, ctx_len, bk, bv = inputs(rng, 3, 4, 16, 4, 2, 16, jnp.float32)
-    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-
-    def loss(mode, q, ck, cv, bk, bv):
-        out = dispatch.drafter_attention(Kernels().with_mode(mode), q, ck, cv, ctx_len, bk, bv, 0.25, 1)
-        return jnp.sum(out * w)
-
-    stacked = (q, jnp.stack([ck, ck + 1]), jnp.stack([cv, cv - 1]), bk, bv)
-    grads = {mode: jax.grad(functools.partial(loss, mode), argnums=(0, 1, 2, 3, 4))(*stacked) for mode in MODES}
-    for got, want in zip(grads["interpret"], grads["reference"], strict=True):
-        assert float(jnp.abs(want).max()) > 0 and np.isfinite(np.asarray(want)).all()
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    assert_close(got, want, dtype, 2.0)
 
 
 def test_context_past_its_length_is_never_seen():
     """Slots >= ctx_len may hold any finite values (stale or never written): the output does not change."""
     rng = np.random.default_rng()
-    q, ck, cv, ctx_len, bk, bv = inputs(rng, 3, 4, 20, 4, 2, 8, jnp.float32)
+    q, ck, cv, ctx_len, bk, bv = attention_inputs(rng, 3, 4, 20, 4, 2, 8, jnp.float32)
     stale = jnp.arange(20)[None, :, None, None] >= ctx_len[:, None, None, None]
-    got = drafter_attention_reference(q, jnp.where(stale, 1e4, ck), jnp.where(stale, -1e4, cv), ctx_len, bk, bv, 0.3)
-    want = drafter_attention_reference(q, ck, cv, ctx_len, bk, bv, 0.3)
+    got = block_attention(q, jnp.where(stale, 1e4, ck), jnp.where(stale, -1e4, cv), ctx_len, bk, bv, 0.3)
+    want = block_attention(q, ck, cv, ctx_len, bk, bv, 0.3)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_block_is_the_models_layer_math(dtype):
+    """The reference block is the drafter's former per-layer code: `layers.rms_norm`, `layers.rope_half` at the
+    positions, then the two-part attention."""
+    rng = np.random.default_rng()
+    x, w, ck, cv, ctx_len, cos, sin = block_inputs(rng, 2, 4, 16, 4, 2, dtype)
+    positions = ctx_len[:, None] + jnp.arange(4)[None, :]
+    a = layers.rms_norm(x, w.input_norm, EPS)
+    heads = lambda t: t.reshape(*t.shape[:-1], -1, 32)  # noqa: E731
+    q = layers.rope_half(layers.rms_norm(heads(a @ w.q_proj), w.q_norm, EPS), positions, INV_FREQ)
+    k, v = heads(jnp.einsum("bsh,thd->tbsd", a, w.kv_proj[LAYER]))
+    k = layers.rope_half(layers.rms_norm(k, w.k_norm, EPS), positions, INV_FREQ)
+    want = block_attention(q, ck[LAYER], cv[LAYER], ctx_len, k, v, 0.3)
+    got = drafter_attention_reference(x, w, ck, cv, ctx_len, cos, sin, layer=LAYER, eps=EPS, scale=0.3)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+# (dtype, batch, block rows, query heads, KV heads, cache slots, project in the kernel): B*S below 16 rows, groups
+# of one, three and four, blocks of 4 / 8 / 16 rows, caches of one tile, a tile and a part, two tiles, not whole.
+F32, BF16 = jnp.float32, jnp.bfloat16
+KERNEL_CASES = [
+    (F32, 3, 8, 8, 2, 37, True),
+    (F32, 1, 8, 8, 2, 64, False),
+    (F32, 3, 4, 4, 4, 130, True),
+    (F32, 2, 16, 6, 2, 16, False),
+    (BF16, 3, 8, 8, 2, 37, True),
+    (BF16, 2, 16, 6, 2, 16, False),
+]
+
+
+@pytest.mark.parametrize(("dtype", "b", "s", "nh", "kvh", "length", "project"), KERNEL_CASES)
+def test_kernel_equals_the_reference_block(dtype, b, s, nh, kvh, length, project):
+    """Interpret mode, projecting in the kernel or loading the projections; ragged context lengths from 0 to the
+    whole allocation."""
+    args = block_inputs(np.random.default_rng(), b, s, length, nh, kvh, dtype)
+    got = drafter_attention_pallas(*args, LAYER, EPS, 0.2, project=project, interpret=True)
+    want = drafter_attention_reference(*args, layer=LAYER, eps=EPS, scale=0.2)
+    assert got.dtype == dtype and got.shape == (b, s, nh, 32)
+    assert_close(got, want, dtype, 2.0)
+
+
+def test_dispatch_runs_the_kernel_or_the_reference_by_mode():
+    args = block_inputs(np.random.default_rng(), 2, 4, 16, 4, 2, jnp.float32)
+    kw = {"layer": LAYER, "eps": EPS, "scale": 0.25}
+    want = drafter_attention_reference(*args, **kw)
+    for mode in ("auto", "reference", "interpret"):  # auto: the reference on this CPU
+        got = dispatch.drafter_attention(Kernels().with_mode(mode, op="drafter_attention"), *args, **kw)
+        assert_close(got, want, jnp.float32)
+    x, w, *rest = args
+    w16 = w._replace(q_proj=w.q_proj[:, :64], q_norm=w.q_norm[:16], k_norm=w.k_norm[:16])  # head dim 16
+    assert "head dim" in unsupported(x, w16, rest[0])
+    with pytest.raises(ValueError, match="head dim"):
+        dispatch.drafter_attention(Kernels().with_mode("interpret"), x, w16, *rest, **kw)
+
+
+def test_large_hidden_sizes_project_before_the_kernel():
+    """The mini drafter (hidden 256) projects in the kernel; K2.6's (hidden 7168, 8 query heads of 128 per KV head)
+    before it, where every sequence would re-read 18 MB of weights."""
+
+    def shapes(hidden, nh, kvh, hd):
+        spec = jax.ShapeDtypeStruct
+        x = spec((32, 8, hidden), jnp.bfloat16)
+        sizes = [(hidden,), (hidden, nh * hd), (hd,), (hd,), (6, 2, hidden, kvh * hd)]
+        return x, DrafterAttentionWeights(*(spec(size, jnp.bfloat16) for size in sizes))
+
+    assert project_in_kernel(*shapes(256, 8, 2, 64)) and not project_in_kernel(*shapes(7168, 64, 8, 128))
+
+
+def test_kernel_gradient_is_the_references():
+    """The drafter trains through the kernel path: its gradient (w.r.t. x, the weights and the stacked cache) is the
+    reference's."""
+    rng = np.random.default_rng()
+    x, w, ck, cv, ctx_len, cos, sin = block_inputs(rng, 3, 4, 16, 4, 2, jnp.float32)
+    probe = jnp.asarray(rng.standard_normal((3, 4, 4, 32)), jnp.float32)
+
+    def loss(mode, x, w, ck, cv):
+        out = dispatch.drafter_attention(
+            Kernels().with_mode(mode), x, w, ck, cv, ctx_len, cos, sin, layer=LAYER, eps=EPS, scale=0.25
+        )
+        return jnp.sum(out * probe)
+
+    grads = {mode: jax.jit(jax.grad(functools.partial(loss, mode), (0, 1, 2, 3)))(x, w, ck, cv) for mode in MODES}
+    got, want = (jax.tree.leaves(grads[mode]) for mode in ("interpret", "reference"))
+    for g, r in zip(got, want, strict=True):
+        assert float(jnp.abs(r).max()) > 0 and np.isfinite(np.asarray(r)).all()
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5, rtol=0)
 
 
 def test_every_mode_selects_the_drafter_attention_op():
@@ -139,7 +212,9 @@ def test_every_mode_selects_the_drafter_attention_op():
 
 
 def drafter_and_inputs(rng: np.random.Generator, dtype):
-    cfg = tiny_dflash_config(tiny_kimi_config(vocab_size=128))  # 2 target layers of features: 2 x hidden
+    """A 2-layer drafter of head dim 32 (the kernel's least), its cache filled from 12 context tokens, and a block
+    for rows whose contexts are 0, 5 and 12 tokens."""
+    cfg = tiny_dflash_config(tiny_kimi_config(vocab_size=128), head_dim=32)  # 2 target layers: 2 x hidden
     drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 20))), dtype=dtype)
     b, ctx = 3, 12
     feats = jnp.asarray(rng.standard_normal((b, ctx, 2 * cfg.hidden_size)), dtype)
@@ -153,19 +228,10 @@ def drafter_and_inputs(rng: np.random.Generator, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_drafter_output_is_that_of_the_concatenated_attention(dtype, monkeypatch):
-    """The drafter through `dispatch.drafter_attention` (the reference, and the kernel in interpret mode) against
-    the same drafter with the oracle in its place."""
+def test_drafter_output_is_the_same_through_the_kernel(dtype):
+    """The drafter with its attention blocks in the kernel (interpret mode) against the reference blocks."""
     drafter, args = drafter_and_inputs(np.random.default_rng(), dtype)
-    got = {mode: drafter(*args, kernels=Kernels().with_mode(mode)) for mode in ("reference", "interpret")}
-    monkeypatch.setattr(
-        dispatch,
-        "drafter_attention",
-        lambda kernels, q, ck, cv, ctx_len, bk, bv, scale, layer: concatenated(
-            q, ck[layer], cv[layer], ctx_len, bk, bv, scale
-        ),
-    )
-    want = np.asarray(drafter(*args), np.float32)
-    for out in got.values():
-        assert np.isfinite(np.asarray(out, np.float32)).all()
-        assert_close(out, want, dtype, 5.0)
+    out = {mode: drafter(*args, kernels=Kernels().with_mode(mode, "drafter_attention")) for mode in MODES}
+    got, want = out["interpret"], out["reference"]
+    assert got.dtype == dtype and np.isfinite(np.asarray(got, np.float32)).all()
+    assert_close(got, want, dtype, 5.0)

@@ -12,6 +12,7 @@ from experiments.mla_common import abstract_inputs, lower_for_h200
 from pallas_kernels.drafter_attention import drafter_attention_pallas
 from pallas_kernels.exact_matmul import head_matmul_pallas, matmul_pallas
 from pallas_kernels.mla_attention import mla_attention_pallas
+from pallas_kernels.reference import DrafterAttentionWeights
 from pallas_kernels.tree_build import build_tree_pallas
 
 
@@ -64,32 +65,38 @@ def test_mla_kernel_multiplies_float32_in_float32(dtype):
     assert found and (all(highest) if dtype == jnp.float32 else not any(highest))
 
 
-def drafter_inputs(batch: int, length: int, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """K2.6 drafter shapes (block 8, 64 query / 8 KV heads of 128, 6 layers) of one attention call."""
-    per_row = (batch, 8, 8, 128)
+def drafter_inputs(batch: int, length: int, dtype, k26: bool = True) -> tuple:
+    """Shapes of one drafter attention block (block 8, 6 layers): K2.6's drafter (hidden 7168, 64 query / 8 KV heads
+    of 128: the projections before the kernel) or the mini drafter (hidden 256, 8 / 2 heads of 64: in it)."""
+    hidden, nh, kvh, hd = (7168, 64, 8, 128) if k26 else (256, 8, 2, 64)
+    sizes = [(hidden,), (hidden, nh * hd), (hd,), (hd,), (6, 2, hidden, kvh * hd)]
     return (
-        spec((batch, 8, 64, 128), dtype),
-        *[spec((6, batch, length, 8, 128), dtype)] * 2,
+        spec((batch, 8, hidden), dtype),
+        DrafterAttentionWeights(*(spec(size, dtype) for size in sizes)),
+        *[spec((6, batch, length, kvh, hd), dtype)] * 2,
         spec((batch,), jnp.int32),
-        *[spec(per_row, dtype)] * 2,
+        *[spec((batch, 8, hd // 2))] * 2,
     )
 
 
-def drafter(q, ctx_k, ctx_v, ctx_len, block_k, block_v):
-    return drafter_attention_pallas(q, ctx_k, ctx_v, ctx_len, block_k, block_v, 128**-0.5, 2)
+def drafter(x, weights, ctx_k, ctx_v, ctx_len, cos, sin):
+    return drafter_attention_pallas(x, weights, ctx_k, ctx_v, ctx_len, cos, sin, 2, 1e-6, 128**-0.5)
 
 
-@pytest.mark.parametrize(("batch", "dtype"), [(1, jnp.bfloat16), (32, jnp.bfloat16), (4, jnp.float32)])
-def test_drafter_attention_kernel_lowers(batch, dtype):
-    text = lower_for_h200(drafter, *drafter_inputs(batch, 2048, dtype))
+@pytest.mark.parametrize(
+    ("batch", "dtype", "k26"),
+    [(1, jnp.bfloat16, True), (32, jnp.bfloat16, True), (32, jnp.bfloat16, False), (4, jnp.float32, False)],
+)
+def test_drafter_attention_kernel_lowers(batch, dtype, k26):
+    text = lower_for_h200(drafter, *drafter_inputs(batch, 2048, dtype, k26))
     assert "__gpu$xla.gpu.triton" in text and "drafter_attention" in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_drafter_attention_kernel_multiplies_float32_in_float32(dtype):
-    """As the MLA kernel: HIGHEST on f32 operands, the default on bf16 ones."""
+    """As the MLA kernel: HIGHEST on f32 operands, the default on bf16 ones (projection, scores and P V)."""
     with jax.default_matmul_precision("default"):
-        found = dot_precisions(jax.make_jaxpr(drafter)(*drafter_inputs(2, 256, dtype)).jaxpr)
+        found = dot_precisions(jax.make_jaxpr(drafter)(*drafter_inputs(2, 256, dtype, k26=False)).jaxpr)
     highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
     assert found and (all(highest) if dtype == jnp.float32 else not any(highest))
 

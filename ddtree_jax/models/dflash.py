@@ -22,9 +22,10 @@ from flax import nnx
 from ddtree_jax import sharding
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models.kimi import DenseMLP, norm_spec
-from ddtree_jax.models.layers import rms_norm, rope_half, yarn_inv_freq
+from ddtree_jax.models.layers import rms_norm, rope_cos_sin, rope_half, yarn_inv_freq
 from ddtree_jax.models.params import ParamPath, WeightSpec, init_params, param_table
 from pallas_kernels.dispatch import Kernels
+from pallas_kernels.reference import DrafterAttentionWeights
 
 
 class DrafterCache(NamedTuple):
@@ -86,9 +87,12 @@ class DFlashDrafter(nnx.Module):
         zeros = sharding.constrain(jnp.zeros(shape, self.dtype), sharding.DRAFTER_CACHE_AXES)
         return DrafterCache(zeros, zeros)
 
-    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def _inv_freq(self):
         c = self.config
-        return rope_half(x, positions, yarn_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), c.yarn_attention_factor)
+        return yarn_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        return rope_half(x, positions, self._inv_freq(), self.config.yarn_attention_factor)
 
     def _split_heads(self, x: jax.Array, heads: int) -> jax.Array:
         return x.reshape(*x.shape[:-1], heads, self.config.head_dim)
@@ -126,22 +130,23 @@ class DFlashDrafter(nnx.Module):
         kernels: Kernels | None = None,
     ) -> jax.Array:
         """block_embeds `[B, S, H]` (target embedding of [anchor, mask...]) at `positions [B, S]`, attending to the
-        context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`. The attention is
-        `sharding.drafter_attention` (context and block as two parts, never concatenated); kernels: the kernel
-        selection (None: `Kernels.from_env()`; the engine passes its `GenSpec.kernels`)."""
+        context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`. Each layer's
+        attention block, from its input norm to the attention output, is one `sharding.drafter_attention` (one
+        kernel launch on a GPU; the RoPE tables of the block's positions are computed once for all layers), then
+        o_proj and the FFN. kernels: the kernel selection (None: `Kernels.from_env()`; the engine passes its
+        `GenSpec.kernels`)."""
         kernels = Kernels.or_env(kernels)
         c = self.config
-        nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = block_embeds * c.input_embedding_scale
         b, s, _ = x.shape
+        cos, sin = rope_cos_sin(positions, self._inv_freq(), c.yarn_attention_factor)  # [B, S, hd/2]
         for i, layer in enumerate(self.layers):
-            a = rms_norm(x, layer.input_layernorm[...], c.rms_norm_eps)
-            q = self._split_heads(jnp.dot(a, layer.q_proj[...]), nh)
-            q = self._rope(rms_norm(q, layer.q_norm[...], c.rms_norm_eps), positions)
-            kb, vb = self._split_heads(jnp.einsum("bsh,thd->tbsd", a, self.kv_proj[i]), kvh)  # one dot for K and V
-            kb = self._rope(rms_norm(kb, layer.k_norm[...], c.rms_norm_eps), positions)
-            o = sharding.drafter_attention(kernels, q, cache.k, cache.v, cache_len, kb, vb, hd**-0.5, i)
-            o = o.reshape(b, s, nh * hd)
+            weights = DrafterAttentionWeights(
+                layer.input_layernorm[...], layer.q_proj[...], layer.q_norm[...], layer.k_norm[...], self.kv_proj[...]
+            )
+            kw = {"layer": i, "eps": c.rms_norm_eps, "scale": c.head_dim**-0.5}
+            o = sharding.drafter_attention(kernels, x, weights, cache.k, cache.v, cache_len, cos, sin, **kw)
+            o = o.reshape(b, s, c.num_attention_heads * c.head_dim)
             x = x + jnp.dot(o, layer.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype)
             x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm[...], c.rms_norm_eps))
         return rms_norm(x, self.norm[...], c.rms_norm_eps)

@@ -38,7 +38,8 @@ def yarn_inv_freq(dim: int, theta: float, yarn: YarnConfig | None) -> np.ndarray
     return f_inter * ramp + f_extra * (1.0 - ramp)
 
 
-def _cos_sin(positions: jax.Array, inv_freq: np.ndarray, amplitude: float) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, amplitude: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """The RoPE tables of `positions [...]`: (cos, sin) `[..., len(inv_freq)]` f32, times `amplitude`."""
     angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     return jnp.cos(angle) * amplitude, jnp.sin(angle) * amplitude
 
@@ -49,7 +50,7 @@ def rope_interleaved(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, a
     x: `[..., S, (heads,) R]`; positions broadcast against x's leading dims without the head/channel axes:
     `positions` has shape x.shape[:-1] or x.shape[:-2] (then broadcast over heads).
     """
-    cos, sin = _cos_sin(positions, inv_freq, amplitude)
+    cos, sin = rope_cos_sin(positions, inv_freq, amplitude)
     if cos.ndim == x.ndim - 1:  # positions without a head axis
         cos, sin = cos[..., None, :], sin[..., None, :]
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
@@ -60,7 +61,7 @@ def rope_interleaved(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, a
 
 def rope_half(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, amplitude: float = 1.0) -> jax.Array:
     """NeoX / Qwen3 rotate-half RoPE over the full last axis: pairs (i, i + d/2). Same shape rules as above."""
-    cos, sin = _cos_sin(positions, inv_freq, amplitude)
+    cos, sin = rope_cos_sin(positions, inv_freq, amplitude)
     if cos.ndim == x.ndim - 1:
         cos, sin = cos[..., None, :], sin[..., None, :]
     xf = x.astype(jnp.float32)
