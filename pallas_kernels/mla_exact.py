@@ -237,6 +237,8 @@ def mla_attention_exact(
         out_specs = pl.BlockSpec((None, None, rows, value_dim), lambda i, j, s: (i, j, 0, 0))
         out_shape = jax.ShapeDtypeStruct((b, n, rows, value_dim), q.dtype)
     else:
+        if b * n * segments * rows * value_dim >= 2**31:  # Pallas-Triton addresses a buffer with int32 offsets
+            raise ValueError(f"{b} x {n} x {segments} partials of {rows} x {value_dim}: more than int32 offsets reach")
         out_specs = [
             pl.BlockSpec((None, None, None, rows, value_dim), lambda i, j, s: (i, j, s, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
