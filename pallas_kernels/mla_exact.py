@@ -2,18 +2,27 @@
 
 Semantics are those of `reference.mla_attention_reference`; the arithmetic is fixed so that a token's output is
 bitwise the same whether it is computed in a one-token decode step, in a prefill block, or as a node of any tree
-in a verify call, whatever the batch (issue 34, docs/exactness.md):
+in a verify call, whatever the batch and the cache's allocated length (issue 34, docs/exactness.md):
 
-* One program per (sequence, node): its query rows are the node's heads, padded to `ROWS`, so every call runs the
-  same dot shapes whatever the number of nodes.
+* One program per (sequence, node, segment): its query rows are the node's heads, padded to `ROWS`, so every call
+  runs the same dot shapes whatever the number of nodes.
 * The node's keys are laid out by absolute position: the cache's prefix at positions `< prefix_len`, then its
   ancestors-or-self at position `prefix_len + depth` (depth = ancestors in the tree mask), exactly where one-token
   decoding would have written them. Other tree nodes are excluded, not only masked.
-* Positions are cut into fixed chunks of absolute positions (`chunk_len`: a function of the latent width only),
-  visited in ascending order with an online softmax (f32): the chunk boundaries and the order are those of a
-  decode step at the node's position.
+* Positions are cut into fixed segments of `SEGMENT` absolute positions, and each segment into fixed chunks
+  (`chunk_len`: a function of the latent width only). A segment's program visits its chunks in ascending order
+  with an online softmax (f32) started afresh, and writes its unnormalised partial (acc, running max, sum).
+  Segments starting past the node's last position do no work (their partial is the empty one, never read).
+* `_merge_kernel` combines a node's partials in ascending segment order with the log-sum-exp merge (f32), over
+  the segments the node reaches (a count that follows its position, not the allocation), then divides and casts.
+  A call whose cache fits in one segment skips the partials: its one program divides and casts itself, the
+  operations a merge of one partial would run.
 * Chunks reaching past the prefix gather the ancestors' latents into their position slots with one-hot dots over
   16-node tiles of the block (each gathered value is 1.0 x the latent, summed with exact zeros: exact).
+
+Segments bound a program's serial walk to `SEGMENT` positions (a batch-1 decode step runs one program per
+segment instead of one walking the whole context), at the price of the partials (`rows x value_dim` f32 per
+(sequence, node, segment)) and the merge; see `SEGMENT`.
 """
 
 from __future__ import annotations
@@ -32,8 +41,16 @@ _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start
 CHUNK = 64  # absolute positions per context chunk (the cache is allocated in multiples of it: sizing.CACHE_ALIGN)
 WIDE_CHUNK = 32  # the chunk of latents wider than 256 (Kimi K2's 576: 64-slot tiles overflow an H100's SMEM)
+# Absolute positions per segment, a whole number of chunks of either width. A program walks at most SEGMENT / chunk
+# chunks in series (4, or 8 wide ones) instead of every chunk of the context: a batch-1 decode step at position 1000
+# runs 4 programs, not one of 16 chunks. Each segment adds a partial, written and merged (rows x value_dim f32: 8 KB
+# against the 80 KB of cache its program reads for the shipped pair, 128 KB against 288 KB at Kimi width), so
+# segments are no shorter: where batch x nodes already fill the GPU they only add traffic. A cache of at most one
+# segment needs neither partials nor merge.
+SEGMENT = 256
 ROWS = 16  # query rows per program at least (heads padded): Triton dots take 16 rows and more
 MAX_BLOCK = 64  # nodes per call at most: every program holds the block's latents on chip (prefill goes in chunks)
+MERGE_COLUMNS = 128  # value columns per merge program (the merge is elementwise along them)
 
 
 def chunk_len(latent_dim: int) -> int:
@@ -41,12 +58,16 @@ def chunk_len(latent_dim: int) -> int:
     return CHUNK if latent_dim <= 256 else WIDE_CHUNK
 
 
-def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, scale: float, value_dim: int, chunk: int):
-    """One (sequence, node) program.
+def _segment_kernel(
+    prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, *out_refs, scale: float, value_dim: int, chunk: int
+):
+    """One (sequence, node, segment) program.
 
     prefix_ref: scalar int32; depth_ref `[Np]` int32 depth of each block node; see_ref `[Np]` int32, 1 where this
     node sees the block node (its ancestors-or-self); q_ref `[R, Dk]`; kv_ref `[L, Dk]` (the whole cache row);
-    blk_ref `[Np, Dk]` (the block's latents, padded); o_ref `[R, value_dim]`.
+    blk_ref `[Np, Dk]` (the block's latents, padded). out_refs: the normalised output o_ref `[R, value_dim]` when
+    the call has one segment, else the segment's partial: acc_ref `[R, value_dim]` f32 (unnormalised), m_ref `[R]`
+    f32 (running max, log2 units) and l_ref `[R]` f32 (sum of exponentials).
     """
     rope_dim = kv_ref.shape[1] - value_dim
     prefix = prefix_ref[()]
@@ -54,6 +75,10 @@ def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, sc
     total = prefix + jnp.max(jnp.where(see, depth, 0)) + 1  # positions this node attends to
     n_chunks = pl.cdiv(total, chunk)
     n_full = prefix // chunk  # chunks wholly inside the prefix
+    per_segment = SEGMENT // chunk
+    lo = pl.program_id(2) * per_segment  # this segment's chunks: [lo, hi), the full ones [lo, mid)
+    hi = jnp.maximum(lo, jnp.minimum(lo + per_segment, n_chunks))
+    mid = jnp.minimum(jnp.maximum(n_full, lo), hi)
     qn = q_ref[:, pl.ds(0, value_dim)]
     qp = q_ref[:, pl.ds(value_dim, rope_dim)]
     dtype = kv_ref.dtype
@@ -108,9 +133,59 @@ def _kernel(prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, o_ref, *, sc
         jnp.full((rows,), _NEG_INIT, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    carry = lax.fori_loop(0, n_full, full_chunk, carry)
-    acc, _, l_i = lax.fori_loop(n_full, n_chunks, tail_chunk, carry)
-    o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)  # l_i > 0: every node sees itself
+    carry = lax.fori_loop(lo, mid, full_chunk, carry)
+    acc, m_i, l_i = lax.fori_loop(mid, hi, tail_chunk, carry)
+    if len(out_refs) == 1:  # the only segment: what the merge of this one partial gives
+        out_refs[0][...] = (acc / l_i[:, None]).astype(out_refs[0].dtype)  # l_i > 0: every node sees itself
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m_i, l_i
+
+
+def _merge_kernel(live_ref, acc_ref, m_ref, l_ref, o_ref):
+    """One (sequence, node, column tile) program: the node's partials merged in ascending segment order.
+
+    live_ref: scalar int32, the segments the node reaches (>= 1; later ones are never read); acc_ref `[S, R, W]`
+    f32, m_ref and l_ref `[S, R]` f32 (the segment kernel's partials); o_ref `[R, W]`.
+    """
+
+    def merge(s, carry):
+        acc, m_i, l_i = carry
+        m_s = m_ref[s]
+        m_new = jnp.maximum(m_i, m_s)
+        alpha, beta = jnp.exp2(m_i - m_new), jnp.exp2(m_s - m_new)
+        return acc * alpha[:, None] + acc_ref[s] * beta[:, None], m_new, l_i * alpha + l_ref[s] * beta
+
+    acc, _, l_i = lax.fori_loop(1, live_ref[()], merge, (acc_ref[0], m_ref[0], l_ref[0]))
+    o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)
+
+
+def merge_partials(
+    acc: jax.Array, maxes: jax.Array, sums: jax.Array, live: jax.Array, dtype: jnp.dtype, *, interpret: bool = False
+) -> jax.Array:
+    """The segment kernel's partials merged per node in ascending segment order (`_merge_kernel`).
+
+    acc `[B, N, S, R, dv]` f32, maxes and sums `[B, N, S, R]` f32 (running maxes, log2 units; sums of
+    exponentials), live `[B, N]` int32 (segments each node reaches, >= 1: those past it are not read) ->
+    `[B, N, R, dv]` in dtype.
+    """
+    b, n, segments, rows, value_dim = acc.shape
+    width = min(value_dim, MERGE_COLUMNS)
+    return pl.pallas_call(
+        _merge_kernel,
+        grid=(b, n, value_dim // width),
+        in_specs=[
+            pl.BlockSpec((None, None), lambda i, j, c: (i, j)),
+            pl.BlockSpec((None, None, segments, rows, width), lambda i, j, c: (i, j, 0, 0, c)),
+            pl.BlockSpec((None, None, segments, rows), lambda i, j, c: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, segments, rows), lambda i, j, c: (i, j, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, width), lambda i, j, c: (i, j, 0, c)),
+        out_shape=jax.ShapeDtypeStruct((b, n, rows, value_dim), dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="mla_attention_exact_merge",
+    )(live.astype(jnp.int32), acc, maxes, sums)
 
 
 def tree_depths(tree_mask: jax.Array) -> jax.Array:
@@ -147,29 +222,52 @@ def mla_attention_exact(
     if length % CHUNK:  # the engine allocates whole chunks; other callers pay a copy
         logging.warning("mla_attention_exact: cache length %d padded to a multiple of %d (a copy)", length, CHUNK)
         latent_cache = jnp.pad(latent_cache, ((0, 0), (0, -length % CHUNK), (0, 0)))
+    length = latent_cache.shape[1]
+    segments = pl.cdiv(length, SEGMENT)
     rows = max(ROWS, pl.next_power_of_2(heads))
     n_pad = max(ROWS, pl.next_power_of_2(n))
     prefix = prefix_len.astype(jnp.int32)
     blk = jax.vmap(lambda c, p: lax.dynamic_slice_in_dim(c, p, n))(latent_cache, prefix)
     blk = jnp.pad(blk, ((0, 0), (0, n_pad - n), (0, 0)))
-    depth = jnp.pad(tree_depths(tree_mask), ((0, 0), (0, n_pad - n)), constant_values=-1)
+    depths = tree_depths(tree_mask)
+    depth = jnp.pad(depths, ((0, 0), (0, n_pad - n)), constant_values=-1)
     see = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)))
     qr = jnp.pad(q.astype(latent_cache.dtype), ((0, 0), (0, 0), (0, rows - heads), (0, 0)))
+    if segments == 1:
+        out_specs = pl.BlockSpec((None, None, rows, value_dim), lambda i, j, s: (i, j, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((b, n, rows, value_dim), q.dtype)
+    else:
+        if b * n * segments * rows * value_dim >= 2**31:  # Pallas-Triton addresses a buffer with int32 offsets
+            raise ValueError(f"{b} x {n} x {segments} partials of {rows} x {value_dim}: more than int32 offsets reach")
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, value_dim), lambda i, j, s: (i, j, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((b, n, segments, rows, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((b, n, segments, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, n, segments, rows), jnp.float32),
+        ]
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), value_dim=value_dim, chunk=chunk_len(dk)),
-        grid=(b, n),
+        functools.partial(_segment_kernel, scale=float(scale), value_dim=value_dim, chunk=chunk_len(dk)),
+        grid=(b, n, segments),
         in_specs=[
-            pl.BlockSpec((None,), lambda i, j: (i,)),
-            pl.BlockSpec((None, n_pad), lambda i, j: (i, 0)),
-            pl.BlockSpec((None, None, n_pad), lambda i, j: (i, j, 0)),
-            pl.BlockSpec((None, None, rows, dk), lambda i, j: (i, j, 0, 0)),
-            pl.BlockSpec((None, latent_cache.shape[1], dk), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec((None, n_pad, dk), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None,), lambda i, j, s: (i,)),
+            pl.BlockSpec((None, n_pad), lambda i, j, s: (i, 0)),
+            pl.BlockSpec((None, None, n_pad), lambda i, j, s: (i, j, 0)),
+            pl.BlockSpec((None, None, rows, dk), lambda i, j, s: (i, j, 0, 0)),
+            pl.BlockSpec((None, length, dk), lambda i, j, s: (i, 0, 0)),
+            pl.BlockSpec((None, n_pad, dk), lambda i, j, s: (i, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, rows, value_dim), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, n, rows, value_dim), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="mla_attention_exact",
     )(prefix, depth, see, qr, latent_cache, blk)
+    if segments > 1:
+        reach = jnp.max(jnp.where(tree_mask, depths[:, None, :], 0), axis=-1)  # depth reached (as the kernel)
+        live = jnp.minimum(pl.cdiv(prefix[:, None] + reach + 1, SEGMENT), segments)  # `[B, N]` segments reached
+        out = merge_partials(*out, live, q.dtype, interpret=interpret)
     return out[:, :, :heads]

@@ -4,6 +4,8 @@ before any device run. (Numerics: the interpret-mode tests of each kernel.)"""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -12,6 +14,7 @@ from experiments.mla_common import abstract_inputs, lower_for_h200
 from pallas_kernels.drafter_attention import drafter_attention_pallas
 from pallas_kernels.exact_matmul import head_matmul_pallas, matmul_pallas
 from pallas_kernels.mla_attention import mla_attention_pallas
+from pallas_kernels.mla_exact import mla_attention_exact
 from pallas_kernels.reference import DrafterAttentionWeights
 from pallas_kernels.tree_build import build_tree_pallas
 
@@ -39,6 +42,16 @@ def mla(q, cache, prefix, mask):
 def test_mla_kernel_lowers(nodes, dtype):
     text = lower_for_h200(mla, *abstract_inputs(2, nodes, 16, 1024, dtype))
     assert "__gpu$xla.gpu.triton" in text and "mla_attention" in text
+
+
+@pytest.mark.parametrize(("nodes", "length", "names"), [(1, 192, ["mla_attention_exact"]), (17, 1088, None)])
+def test_exact_mla_kernels_lower(nodes, length, names):
+    """The exact kernel at K2.6 widths (64 heads, 576-channel latents): the segment kernel alone for a one-segment
+    cache, and with the merge kernel for a 5-segment one (the last partial)."""
+    fn = lambda q, cache, prefix, mask: mla_attention_exact(q, cache, prefix, mask, 0.1, 512)
+    text = lower_for_h200(fn, *abstract_inputs(2, nodes, 64, length))
+    names = names or ["mla_attention_exact", "mla_attention_exact_merge"]
+    assert re.findall(r'name = "(mla_attention_exact\w*)"', text) == names
 
 
 def dot_precisions(jaxpr) -> list:
