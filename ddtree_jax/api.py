@@ -42,15 +42,15 @@ def default_dtype():
 
 
 def resolve_exact(exact: bool | None, mesh: Mesh | None) -> bool:
-    """Whether programs run the exact (batch- and tree-invariant) numerics: `exact`, or None: on a single GPU (a CPU
-    runs float32 by default, exact there without them; docs/exactness.md). They do not cover a device mesh yet, so
-    exact=True with one is a `UserError`."""
+    """Whether programs run the exact (batch- and tree-invariant) numerics: `exact`; None, the default: off (their
+    GPU check and cost are in docs/exactness.md; a CPU runs float32 by default, exact there without them). They do
+    not cover a device mesh yet, so exact=True with one is a `UserError`."""
     if exact and mesh is not None:
         raise UserError(
             "the exact numerics do not cover a device mesh yet (GSPMD cannot split their kernels): run on one device, "
             "or without --exact"
         )
-    return jax.default_backend() == "gpu" and mesh is None if exact is None else exact
+    return bool(exact)
 
 
 def padded_prompt_len(longest: int) -> int:

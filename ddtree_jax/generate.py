@@ -87,7 +87,7 @@ flags.DEFINE_bool(
     "exact",
     None,
     "Batch- and tree-invariant numerics: speculative output equals --method=ar's bit for bit whatever the batch "
-    "(docs/exactness.md). Default: on a single GPU; not with a device mesh.",
+    "(docs/exactness.md). Default: off; not with a device mesh.",
 )
 flags.DEFINE_bool("ignore_eos", False, "Generate past the model's EOS tokens (not past --stop_token_ids).")
 flags.DEFINE_integer("seed", 0, "Sampling seed; a request's samples depend only on (seed, its index in --prompts).")
