@@ -13,6 +13,7 @@ import pytest
 from conftest import tiny_dflash_config, tiny_kimi_config
 from flax import nnx
 
+from ddtree_jax import engine
 from ddtree_jax.api import Generator
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
@@ -61,3 +62,10 @@ def test_exact_speculative_batches_equal_ar_alone_in_bf16(exact_generator):
         res = exact_generator.generate(prompts, method=method, budget=budget, **settings)
         assert res.spec.kernels.exact
         assert res.tokens == alone, (method, budget)
+
+
+def test_exact_programs_compile_without_excess_precision():
+    """Under the exact numerics XLA may not keep a bf16 intermediate in f32 inside a fusion (which ops share one
+    follows the shapes); the fast path keeps XLA's defaults."""
+    assert engine.compiler_options(dataclasses.replace(INTERPRET, exact=True)) == {"xla_allow_excess_precision": False}
+    assert engine.compiler_options(INTERPRET) is None
