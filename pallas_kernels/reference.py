@@ -191,16 +191,16 @@ class DrafterAttentionWeights(NamedTuple):
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """g * cast_back(x_f32 / sqrt(mean(x_f32^2) + eps)) over the last axis (the models' `layers.rms_norm`)."""
+    """g * cast_back(x_f32 / sqrt(mean(x_f32^2) + eps)), over the last axis (also the models' norm:
+    `ddtree_jax.models.layers` takes it from here)."""
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rope_rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE of x `[B, S, heads, hd]` by the tables cos, sin `[B, S, hd/2]` f32: pairs (i, i + hd/2),
-    computed in f32, returned in x.dtype (the models' `layers.rope_half` at the tables' positions)."""
-    cos, sin = cos[..., None, :], sin[..., None, :]
+def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of x `[..., d]` by the tables cos, sin (f32, broadcasting against `[..., d/2]`): pairs
+    (i, i + d/2), computed in f32, returned in x.dtype (also the models' `layers.rope_half`)."""
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x0, x1 = xf[..., :half], xf[..., half:]
@@ -241,6 +241,7 @@ def drafter_attention_reference(
     hd = w.q_norm.shape[0]
     q, kv = drafter_projections(x, w, layer, eps)
     heads = lambda t: t.reshape(*t.shape[:-1], -1, hd)  # noqa: E731
-    q = rope_rotate_half(rms_norm(heads(q), w.q_norm, eps), cos, sin)
-    k = rope_rotate_half(rms_norm(heads(kv[0]), w.k_norm, eps), cos, sin)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # over the heads
+    q = rotate_half(rms_norm(heads(q), w.q_norm, eps), cos, sin)
+    k = rotate_half(rms_norm(heads(kv[0]), w.k_norm, eps), cos, sin)
     return block_attention(q, ctx_k[layer], ctx_v[layer], ctx_len, k, heads(kv[1]), scale)

@@ -1,4 +1,5 @@
-"""Shared building blocks: RMSNorm, YaRN RoPE tables, rotary embeddings (interleaved and rotate-half), SwiGLU."""
+"""Shared building blocks: RMSNorm, YaRN RoPE tables, rotary embeddings (interleaved and rotate-half), SwiGLU. The
+norm and the rotate-half rotation are `pallas_kernels.reference`'s, which the drafter's attention kernel matches."""
 
 from __future__ import annotations
 
@@ -10,13 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.config import YarnConfig
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """g * cast_back(x_f32 / sqrt(mean(x_f32^2) + eps)), over the last axis."""
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * normed.astype(x.dtype)
+from pallas_kernels.reference import rms_norm as rms_norm  # one definition, the kernels' reference's
+from pallas_kernels.reference import rotate_half
 
 
 def yarn_inv_freq(dim: int, theta: float, yarn: YarnConfig | None) -> np.ndarray:
@@ -64,11 +60,7 @@ def rope_half(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, amplitud
     cos, sin = rope_cos_sin(positions, inv_freq, amplitude)
     if cos.ndim == x.ndim - 1:
         cos, sin = cos[..., None, :], sin[..., None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x0, x1 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return rotate_half(x, cos, sin)
 
 
 def swiglu(
