@@ -47,7 +47,7 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("mesh", None, "Device mesh, as for ddtree-generate (default: all local devices on expert).")
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "Threads compiling the programs up front.")
-flags.DEFINE_bool("exact", None, "Measure the exact-numerics programs (as ddtree-generate --exact; default: one GPU).")
+flags.DEFINE_bool("exact", None, "Measure the exact-numerics programs (as ddtree-generate --exact; default: off).")
 flags.DEFINE_bool("overwrite", False, "Replace an existing table.")
 flags.mark_flags_as_required(["target", "drafter", "prompts"])
 
