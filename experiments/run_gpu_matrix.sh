@@ -19,8 +19,8 @@
 #   and (STAGES=layer_profile) one dense + one MoE Kimi K2.6 layer at full size, single GPU and one rank of 8: an AR
 #   step and DDTree b8/b16 rounds at B 1 and 8 timed in loops that carry the whole state, device time, kernels and
 #   bytes per piece of each layer against a copy rate timed in the same run (layer_profile; issue 32)
-#   and (STAGES=drafter) the drafter attention kernel: bench_drafter, breakdown at 32 rows with and without it
-#   (issue 37; about 5 min)
+#   and (STAGES=drafter) breakdown at 32 rows with and without the drafter attention kernel, (STAGES=drafter_bench)
+#   the kernel's forward alone, bench_drafter (issue 37; about 3 + 2 min)
 #   and (STAGES=exact_check) the exact numerics: exact_probe, exact_check (issue 34; about 9 min; exact_probe_off:
 #   the probe without them)
 #   and (STAGES=auto) method=auto beside the fixed methods on the concurrency and context axes (issue 37)
@@ -91,7 +91,7 @@ want mla_splits && stage mla_splits_verify 150 "$PY" -m experiments.bench_mla --
   --check=false --name=bench_mla_split_model_verify
 # The drafter's attention (issue 37): its forward alone at 2K vs 8K allocation, then a chain / DDTree round at 32
 # rows with the plain-JAX drafter attention beside the Pallas kernel.
-want drafter && stage bench_drafter 120 "$PY" -m experiments.bench_drafter --out_dir="$RES"
+want drafter_bench && stage bench_drafter 120 "$PY" -m experiments.bench_drafter --out_dir="$RES"
 want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_ref 90 "$PY" -m experiments.breakdown \
   --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --noexact --name=breakdown_c32_drafter_reference
 want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
