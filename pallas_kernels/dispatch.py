@@ -1,18 +1,19 @@
 """The one dispatch point between models and kernels, and the kernel selection as one value.
 
-`Kernels` says which implementation each op runs: `moe_swiglu`, `mla_attention`, `build_tree`, `drafter_attention`
-and `matmul` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference elsewhere), "reference", "pallas"
-or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a CPU). For MLA attention in
+`Kernels` says which implementation each op runs: `moe_swiglu`, `mla_attention`, `build_tree`, `drafter_attention`,
+`matmul` and `rms_norm` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference elsewhere), "reference",
+"pallas" or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a CPU). For MLA attention in
 Pallas mode `mla_kernel` picks the Pallas-Triton kernel (`mla_attention.py`, any head dim) or the Mosaic GPU one
-(`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or "auto" (Mosaic on a Hopper
-GPU for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic
+(`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or "auto" (Mosaic on a Hopper GPU
+for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic
 kernel's tiling (None: the default `MosaicMLAConfig()`), and `topk_chunk` the row length of the chunk-wise exact top-k
 of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
 `exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `head_matmul`) run the
-row-invariant kernels of `exact_matmul.py` under the `matmul` mode, MLA attention the per-node kernel of
-`mla_exact.py` under the `mla_attention` mode, and the MoE a fixed tile and a fixed-order combine. Without `exact`
-the `matmul` mode is unused: those products are the plain `jnp.dot` / `jnp.einsum`.
+row-invariant kernels of `exact_matmul.py` under the `matmul` mode, its RMS norms the row-invariant kernel of
+`exact_norm.py` under the `rms_norm` mode, MLA attention the per-node kernel of `mla_exact.py` under the
+`mla_attention` mode, and the MoE a fixed tile and a fixed-order combine. Without `exact` the `matmul` and `rms_norm`
+modes are unused: those are the plain `jnp.dot` / `jnp.einsum` and `reference.rms_norm`.
 
 A `Kernels` value is frozen and hashable: the engine carries it in its `GenSpec`, so it is part of every compiled
 program's key, and passes it down to these functions; nothing here reads a global at trace time. The environment
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from pallas_kernels.mla_mosaic import MosaicMLAConfig
 
 MODES = ("auto", "reference", "pallas", "interpret")
-OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "matmul")
+OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "matmul", "rms_norm")
 MLA_KERNELS = ("auto", "triton", "mosaic")
 MOSAIC_MIN_ROWS = 64
 TOPK_CHUNK = 512
@@ -59,6 +60,7 @@ class Kernels:
     build_tree: str = "auto"
     drafter_attention: str = "auto"
     matmul: str = "auto"
+    rms_norm: str = "auto"
     mla_kernel: str = "auto"
     mla_tiling: MosaicMLAConfig | None = None
     topk_chunk: int = TOPK_CHUNK
@@ -177,6 +179,16 @@ def matmul(kernels: Kernels, x: jax.Array, w: jax.Array, preferred_element_type:
         out_dtype = preferred_element_type or jnp.result_type(x, w)
         return matmul_pallas(x, w, out_dtype, interpret=impl == "interpret")
     return jnp.dot(x, w, preferred_element_type=preferred_element_type)
+
+
+def rms_norm(kernels: Kernels, x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMS norm of x `[..., H]` with gain `[H]` (`reference.rms_norm`); under `kernels.exact` the row-invariant
+    kernel (`exact_norm.rms_norm_pallas`) as the `rms_norm` mode selects."""
+    if kernels.exact and (impl := _choose("rms_norm", kernels.rms_norm, True)) != "reference":
+        from pallas_kernels.exact_norm import rms_norm_pallas
+
+        return rms_norm_pallas(x, weight, eps, interpret=impl == "interpret")
+    return reference.rms_norm(x, weight, eps)
 
 
 def head_matmul(

@@ -20,7 +20,7 @@ from ddtree_jax.models.kimi import KimiForCausalLM
 from experiments.invariance import chain_tree, decode_steps, prefilled, run_block
 from pallas_kernels.dispatch import Kernels
 
-INTERPRET = Kernels(mla_attention="interpret", matmul="interpret")
+INTERPRET = Kernels(mla_attention="interpret", matmul="interpret", rms_norm="interpret")
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from flax import nnx
 
 from ddtree_jax import sharding
 from ddtree_jax.config import KimiConfig
-from ddtree_jax.models.layers import causal_mask, rms_norm, rope_interleaved, swiglu, yarn_inv_freq
+from ddtree_jax.models.layers import causal_mask, rope_interleaved, swiglu, yarn_inv_freq
 from ddtree_jax.models.params import (
     COPY,
     JOIN,
@@ -88,7 +88,8 @@ class MLA(nnx.Module):
     def queries(self, x: jax.Array, positions: jax.Array, kernels: Kernels) -> tuple[jax.Array, jax.Array]:
         """x `[B, N, H]` -> q_nope `[B, N, Hq, P]`, roped q_pe `[B, N, Hq, R]`."""
         c = self.cfg
-        cq = rms_norm(dispatch.matmul(kernels, x, self.q_a_proj[...]), self.q_a_layernorm[...], c.latent_norm_eps)
+        cq = dispatch.matmul(kernels, x, self.q_a_proj[...])
+        cq = dispatch.rms_norm(kernels, cq, self.q_a_layernorm[...], c.latent_norm_eps)
         q = dispatch.matmul(kernels, cq, self.q_b_proj[...])
         q = q.reshape(*x.shape[:2], c.num_attention_heads, c.qk_head_dim)
         q_pe = rope_interleaved(q[..., c.qk_nope_head_dim :], positions, self._inv_freq())
@@ -98,7 +99,7 @@ class MLA(nnx.Module):
         """x `[B, N, H]` -> cache entries `[B, N, 576]` = [RMSNorm(c_kv) | RoPE(k_pe)]."""
         c = self.cfg
         kv = dispatch.matmul(kernels, x, self.kv_a_proj_with_mqa[...])
-        c_kv = rms_norm(kv[..., : c.kv_lora_rank], self.kv_a_layernorm[...], c.latent_norm_eps)
+        c_kv = dispatch.rms_norm(kernels, kv[..., : c.kv_lora_rank], self.kv_a_layernorm[...], c.latent_norm_eps)
         k_pe = rope_interleaved(kv[..., c.kv_lora_rank :], positions, self._inv_freq())
         return jnp.concatenate([c_kv, k_pe], axis=-1)
 
@@ -348,7 +349,7 @@ class DecoderLayer(nnx.Module):
         """One layer; kernels None: `Kernels.from_env()`."""
         kernels = Kernels.or_env(kernels)
         a, cache = self.self_attn(
-            rms_norm(h, self.input_layernorm[...], self.eps),
+            dispatch.rms_norm(kernels, h, self.input_layernorm[...], self.eps),
             positions,
             cache,
             cache_len,
@@ -357,7 +358,7 @@ class DecoderLayer(nnx.Module):
             naive=naive,
         )
         h = h + a
-        x = rms_norm(h, self.post_attention_layernorm[...], self.eps)
+        x = dispatch.rms_norm(kernels, h, self.post_attention_layernorm[...], self.eps)
         h = h + self.mlp(x, kernels)
         return h, cache
 
@@ -443,7 +444,8 @@ class KimiForCausalLM(nnx.Module):
             if i in feature_layers:
                 by_layer[i] = h
         features = jnp.concatenate([by_layer[i] for i in feature_layers], axis=-1) if feature_layers else None
-        return ForwardOut(rms_norm(h, self.norm[...], self.config.rms_norm_eps), features, new_cache)
+        h = dispatch.rms_norm(kernels, h, self.norm[...], self.config.rms_norm_eps)
+        return ForwardOut(h, features, new_cache)
 
 
 @functools.lru_cache(maxsize=16)
