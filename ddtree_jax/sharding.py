@@ -191,7 +191,14 @@ def moe_swiglu(kernels: dispatch.Kernels, x, topk_ids, topk_weights, gate_up_q, 
 
 
 def mla_attention(
-    kernels: dispatch.Kernels, q, latent_cache, prefix_len, tree_mask, scale: float, value_dim: int = 512
+    kernels: dispatch.Kernels,
+    q,
+    latent_cache,
+    prefix_len,
+    tree_mask,
+    scale: float,
+    value_dim: int = 512,
+    causal: bool = False,
 ) -> jax.Array:
     """`dispatch.mla_attention` (q `[B, N, Hq, 576]`, cache `[B, L, 576]`, prefix_len `[B]`, mask `[B, N, N]`),
     run per device on its heads under the active mesh: heads split over `tensor`, rows over `data`, the latent
@@ -199,12 +206,12 @@ def mla_attention(
     local heads, and the o_proj all-reduce after it is GSPMD's."""
     mesh = _active
     if mesh is None:
-        return dispatch.mla_attention(kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim)
+        return dispatch.mla_attention(kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim, causal)
     batch = LOGICAL_AXES["batch"]
     heads = PartitionSpec(batch, None, LOGICAL_AXES["heads"], None)
     rows = PartitionSpec(batch, None, None)
     return jax.shard_map(
-        lambda *a: dispatch.mla_attention(kernels, *a, scale, value_dim),
+        lambda *a: dispatch.mla_attention(kernels, *a, scale, value_dim, causal),
         mesh=mesh,
         in_specs=(heads, rows, PartitionSpec(batch), rows),
         out_specs=heads,

@@ -5,12 +5,13 @@ context used or the cache allocated.
     python -m experiments.bench_drafter --drafter_config=checkpoints/kimi-mini-dflash --allocations=256  # mini drafter
     python -m experiments.bench_drafter --tiny --modes=reference,interpret --allocations=32,64 --context=10  # CPU
 
-Builds the Kimi DFlash drafter (experiments/configs/kimi-k2.5-dflash; --tiny: toy dimensions) with random bf16
-weights. Per (implementation of its attention blocks of `--modes`, a `Kernels.drafter_attention` mode; concurrency B;
-allocation L): a drafter cache `[layers, B, L, kv_heads, head_dim]` of random values whose first `--context` slots
-are valid, and one drafter forward on a block of random embeddings, timed back to back (median of
-`--repeats`); `max_diff`: its output's largest difference from the first mode's at the same cell (the kernel
-checked against the reference on the device). Results: <out_dir>/bench_drafter.json and .md.
+Builds the Kimi DFlash drafter (experiments/configs/kimi-k2.5-dflash; --tiny: toy dimensions) with random bf16 weights.
+Per (implementation of its attention blocks of `--modes`, a `Kernels.drafter_attention` mode; concurrency B; allocation
+L): a drafter cache `[layers, B, L, kv_heads, head_dim]` of random values whose first `--context` slots are valid, and
+one drafter forward on a block of random embeddings, timed back to back (median of `--repeats`; `--projections=xla`: the
+Pallas block's projections in XLA whatever their size); `max_diff`: its output's largest difference from the first
+mode's at the same cell (the kernel checked against the reference on the device). Results: <out_dir>/<--name>.json
+and .md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ddtree_jax.config import load_dflash_config
 from ddtree_jax.errors import run_app
 from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache
 from experiments import common
+from pallas_kernels import drafter_attention
 from pallas_kernels.dispatch import Kernels
 
 FLAGS = flags.FLAGS
@@ -37,10 +39,17 @@ flags.DEFINE_list("allocations", ["2048", "8192"], "drafter cache slots allocate
 flags.DEFINE_integer("context", 60, "valid context slots per row")
 flags.DEFINE_integer("steps", 20, "forwards per timing")
 flags.DEFINE_integer("repeats", 5, "timings (median)")
+flags.DEFINE_enum(
+    "projections",
+    "auto",
+    ["auto", "xla"],
+    "the Pallas block's Q/K/V projections: as the kernel decides (in the kernel up to PROJECT_MAX_BYTES), or in XLA",
+)
 flags.DEFINE_bool("tiny", False, "toy dimensions (CPU smoke test of this script)")
+flags.DEFINE_string("name", "bench_drafter", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
-COLUMNS = ["mode", "concurrency", "allocation", "context", "ms", "max_diff"]
+COLUMNS = ["mode", "projections", "concurrency", "allocation", "context", "ms", "max_diff"]
 
 
 def drafter_config():
@@ -72,6 +81,8 @@ def time_forward(drafter: DFlashDrafter, mode: str, batch: int, allocation: int)
 
 
 def main(_) -> None:
+    if FLAGS.projections == "xla":  # an experiment's setting, not a product knob: every program projects in XLA
+        drafter_attention.PROJECT_MAX_BYTES = 0
     cfg = drafter_config()
     drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     records, first = [], {}
@@ -80,10 +91,11 @@ def main(_) -> None:
             for allocation in map(int, FLAGS.allocations):
                 ms, out = time_forward(drafter, mode, batch, allocation)
                 out = first.setdefault((batch, allocation), out).astype(jnp.float32) - out.astype(jnp.float32)
-                records.append({"mode": mode, "concurrency": batch, "allocation": allocation, "ms": ms})
+                records.append({"mode": mode, "projections": FLAGS.projections, "concurrency": batch})
+                records[-1] |= {"allocation": allocation, "ms": ms}
                 records[-1] |= {"context": FLAGS.context, "max_diff": float(jnp.abs(out).max())}
                 print(common.markdown_table(records[-1:], COLUMNS).splitlines()[-1], flush=True)
-    path = common.write_results("bench_drafter", records, COLUMNS, FLAGS.out_dir, extra={"tiny": FLAGS.tiny})
+    path = common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir, extra={"tiny": FLAGS.tiny})
     print(f"wrote {path}")
 
 

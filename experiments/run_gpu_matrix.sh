@@ -20,7 +20,9 @@
 #   step and DDTree b8/b16 rounds at B 1 and 8 timed in loops that carry the whole state, device time, kernels and
 #   bytes per piece of each layer against a copy rate timed in the same run (layer_profile; issue 32)
 #   and (STAGES=drafter) breakdown at 32 rows with and without the drafter attention kernel, (STAGES=drafter_bench)
-#   the kernel's forward alone, bench_drafter (issue 37; about 3 + 2 min)
+#   the drafter's forward alone, bench_drafter: the K2.5 drafter at 2K and 8K allocations, the shipped pair's at 32
+#   rows with the block's projections in the kernel and in XLA (issue 37; about 3 + 4 min)
+#   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 4 min)
 #   and (STAGES=exact_check) the exact numerics: exact_probe, exact_check (issue 34; about 9 min; exact_probe_off:
 #   the probe without them)
 #   and (STAGES=auto) method=auto beside the fixed methods on the concurrency and context axes (issue 37)
@@ -92,6 +94,13 @@ want mla_splits && stage mla_splits_verify 150 "$PY" -m experiments.bench_mla --
 # The drafter's attention (issue 37): its forward alone at 2K vs 8K allocation, then a chain / DDTree round at 32
 # rows with the plain-JAX drafter attention beside the Pallas kernel.
 want drafter_bench && stage bench_drafter 120 "$PY" -m experiments.bench_drafter --out_dir="$RES"
+# The shipped pair's drafter at 32 rows: the Pallas block projecting in the kernel (its default at this size) vs in XLA.
+want drafter_bench && stage bench_drafter_mini 90 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
+  --drafter_config=checkpoints/kimi-mini-dflash --modes=reference,pallas --concurrency=32 --allocations=256,2048 \
+  --name=bench_drafter_mini
+want drafter_bench && stage bench_drafter_mini_xla 60 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
+  --drafter_config=checkpoints/kimi-mini-dflash --modes=pallas --concurrency=32 --allocations=256,2048 \
+  --projections=xla --name=bench_drafter_mini_xla_projections
 want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_ref 90 "$PY" -m experiments.breakdown \
   --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --noexact --name=breakdown_c32_drafter_reference
 want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
@@ -99,6 +108,11 @@ want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir=
 # Exact numerics (issue 34): layer by layer, decode steps vs block / tree / batch, with and without; then the same
 # ragged requests at batch 1/8/32 as every method, compared with batch-1 ar, and tokens/s on vs off.
 want exact_check && stage exact_probe 70 "$PY" -m experiments.exact_probe --out_dir="$RES"
+# Where the exact numerics' cost sits at batch 1 and context 1024: rounds with and without them, one program each.
+want exact_cost && stage breakdown_exact 150 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,ddtree \
+  --budgets=16 --context=1024 --exact --name=breakdown_exact_ctx1024
+want exact_cost && stage breakdown_fast 120 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,ddtree \
+  --budgets=16 --context=1024 --noexact --name=breakdown_noexact_ctx1024
 want exact_probe_off && stage exact_probe_off 50 "$PY" -m experiments.exact_probe --out_dir="$RES" --noexact
 # shellcheck disable=SC2086  # EXACT_CHECK_ARGS / AUTO_ARGS: extra flags, word-split on purpose
 want exact_check && stage exact_check "$EXACT_CHECK_S" "$PY" -m experiments.exact_check --out_dir="$RES" \

@@ -211,15 +211,16 @@ def head_matmul(
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
 
 
-def mla_attention(kernels: Kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim=512):
+def mla_attention(kernels: Kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim=512, causal=False):
     """Absorbed MLA attention; see `reference.mla_attention_reference` for shapes and semantics. Under
-    `kernels.exact` the kernel is `mla_exact.mla_attention_exact` (a node's result independent of the call)."""
+    `kernels.exact` the kernel is `mla_exact.mla_attention_exact` (a node's result independent of the call), which
+    reads a causal block (`causal`: tree_mask is the causal mask) straight from the cache."""
     if (impl := _choose("mla_attention", kernels.mla_attention, _mla_kernel() is not None)) != "reference":
         if kernels.exact:
             from pallas_kernels.mla_exact import mla_attention_exact
 
-            interpret = impl == "interpret"
-            return mla_attention_exact(q, latent_cache, prefix_len, tree_mask, scale, value_dim, interpret=interpret)
+            args = (q, latent_cache, prefix_len, tree_mask, scale, value_dim)
+            return mla_attention_exact(*args, causal=causal, interpret=impl == "interpret")
         kernel = mla_kernel_for(kernels, q, latent_cache, value_dim)
         return kernel(q, latent_cache, prefix_len, tree_mask, scale, value_dim, interpret=impl == "interpret")
     return reference.mla_attention_reference(q, latent_cache, prefix_len, tree_mask, scale, value_dim)

@@ -19,6 +19,9 @@ in a verify call, whatever the batch and the cache's allocated length (issue 34,
   operations a merge of one partial would run.
 * Chunks reaching past the prefix gather the ancestors' latents into their position slots with one-hot dots over
   16-node tiles of the block (each gathered value is 1.0 x the latent, summed with exact zeros: exact).
+* A causal block (`causal=True`: prefill chunks, an AR step) needs no gather: node j's ancestors are the block's
+  nodes 0..j, which the cache already holds at their positions, so each node runs as the decode step at prefix + j,
+  reading its keys from the cache (zeros past itself, as the gather gives). Such a block has no size limit.
 
 Segments bound a program's serial walk to `SEGMENT` positions (a batch-1 decode step runs one program per
 segment instead of one walking the whole context), at the price of the partials (`rows x value_dim` f32 per
@@ -49,7 +52,7 @@ WIDE_CHUNK = 32  # the chunk of latents wider than 256 (Kimi K2's 576: 64-slot t
 # segment needs neither partials nor merge.
 SEGMENT = 256
 ROWS = 16  # query rows per program at least (heads padded): Triton dots take 16 rows and more
-MAX_BLOCK = 64  # nodes per call at most: every program holds the block's latents on chip (prefill goes in chunks)
+MAX_BLOCK = 64  # tree nodes per call at most (+ the root): a program holds the block's latents on chip
 MERGE_COLUMNS = 128  # value columns per merge program (the merge is elementwise along them)
 
 
@@ -58,21 +61,23 @@ def chunk_len(latent_dim: int) -> int:
     return CHUNK if latent_dim <= 256 else WIDE_CHUNK
 
 
-def _segment_kernel(
-    prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, *out_refs, scale: float, value_dim: int, chunk: int
-):
-    """One (sequence, node, segment) program.
+def _dot(dtype):
+    """The kernels' products, f32 accumulation: f32 operands multiply in IEEE f32 (Triton's default for them is
+    TF32); bf16 ones need no setting."""
+    return functools.partial(
+        jnp.dot,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST if dtype == jnp.float32 else None,
+    )
 
-    prefix_ref: scalar int32; depth_ref `[Np]` int32 depth of each block node; see_ref `[Np]` int32, 1 where this
-    node sees the block node (its ancestors-or-self); q_ref `[R, Dk]`; kv_ref `[L, Dk]` (the whole cache row);
-    blk_ref `[Np, Dk]` (the block's latents, padded). out_refs: the normalised output o_ref `[R, value_dim]` when
-    the call has one segment, else the segment's partial: acc_ref `[R, value_dim]` f32 (unnormalised), m_ref `[R]`
-    f32 (running max, log2 units) and l_ref `[R]` f32 (sum of exponentials).
-    """
+
+def _attend_segment(q_ref, kv_ref, out_refs, prefix, last, tail, *, scale: float, value_dim: int, chunk: int) -> None:
+    """The node's segment (program axis 2) of its positions [0, last]: chunks wholly below `prefix` read from the
+    cache, later ones through `tail(pos, kn, kp) -> (kn, kp)`, which supplies the keys from `prefix` on (the node's
+    ancestors-or-self, zeros past `last`). Which chunks take the tail changes where a key comes from, not its value
+    or the arithmetic. Writes the normalised output (one segment) or the partial; see `_segment_kernel`."""
     rope_dim = kv_ref.shape[1] - value_dim
-    prefix = prefix_ref[()]
-    depth, see = depth_ref[...], see_ref[...] > 0
-    total = prefix + jnp.max(jnp.where(see, depth, 0)) + 1  # positions this node attends to
+    total = last + 1  # positions this node attends to
     n_chunks = pl.cdiv(total, chunk)
     n_full = prefix // chunk  # chunks wholly inside the prefix
     per_segment = SEGMENT // chunk
@@ -82,12 +87,7 @@ def _segment_kernel(
     qn = q_ref[:, pl.ds(0, value_dim)]
     qp = q_ref[:, pl.ds(value_dim, rope_dim)]
     dtype = kv_ref.dtype
-    # f32 operands multiply in IEEE f32 (Triton's default for them is TF32); bf16 ones need no setting
-    dot = functools.partial(
-        jnp.dot,
-        preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST if dtype == jnp.float32 else None,
-    )
+    dot = _dot(dtype)
     cols = jnp.arange(chunk, dtype=jnp.int32)
 
     def attend(carry, pos, kn, kp):
@@ -110,22 +110,9 @@ def _segment_kernel(
     def full_chunk(c, carry):
         return attend(carry, *load(c))
 
-    def gather(pos, lo: int, width: int):
-        """`[chunk, width]`: channels [lo, lo + width) of the ancestor at each position (zeros where none), one
-        `ROWS`-node tile of the block at a time so that only one tile of latents is on chip."""
-        out = jnp.zeros((chunk, width), jnp.float32)
-        for j in range(0, blk_ref.shape[0], ROWS):
-            d, sv = depth_ref[pl.ds(j, ROWS)], see_ref[pl.ds(j, ROWS)] > 0
-            pick = (((pos - prefix)[:, None] == d[None, :]) & sv[None, :]).astype(dtype)  # one-hot rows
-            out += dot(pick, blk_ref[pl.ds(j, ROWS), pl.ds(lo, width)])
-        return out.astype(dtype)
-
     def tail_chunk(c, carry):
         pos, kn, kp = load(c)
-        in_prefix = (pos < prefix)[:, None]
-        kn = jnp.where(in_prefix, kn, gather(pos, 0, value_dim))
-        kp = jnp.where(in_prefix, kp, gather(pos, value_dim, rope_dim))
-        return attend(carry, pos, kn, kp)
+        return attend(carry, pos, *tail(pos, kn, kp))
 
     rows = qn.shape[0]
     carry = (
@@ -140,6 +127,59 @@ def _segment_kernel(
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...], m_ref[...], l_ref[...] = acc, m_i, l_i
+
+
+def _segment_kernel(
+    prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, *out_refs, scale: float, value_dim: int, chunk: int
+):
+    """One (sequence, node, segment) program of a tree block.
+
+    prefix_ref: scalar int32; depth_ref `[Np]` int32 depth of each block node; see_ref `[Np]` int32, 1 where this
+    node sees the block node (its ancestors-or-self); q_ref `[R, Dk]`; kv_ref `[L, Dk]` (the whole cache row);
+    blk_ref `[Np, Dk]` (the block's latents, padded). out_refs: the normalised output o_ref `[R, value_dim]` when
+    the call has one segment, else the segment's partial: acc_ref `[R, value_dim]` f32 (unnormalised), m_ref `[R]`
+    f32 (running max, log2 units) and l_ref `[R]` f32 (sum of exponentials). Positions from the prefix on hold the
+    node's ancestors-or-self, gathered from the block into their slots (zeros where none).
+    """
+    rope_dim = kv_ref.shape[1] - value_dim
+    prefix = prefix_ref[()]
+    depth, see = depth_ref[...], see_ref[...] > 0
+    dtype = kv_ref.dtype
+    dot = _dot(dtype)
+
+    def gather(pos, lo: int, width: int):
+        """`[chunk, width]`: channels [lo, lo + width) of the ancestor at each position (zeros where none), one
+        `ROWS`-node tile of the block at a time so that only one tile of latents is on chip."""
+        out = jnp.zeros((chunk, width), jnp.float32)
+        for j in range(0, blk_ref.shape[0], ROWS):
+            d, sv = depth_ref[pl.ds(j, ROWS)], see_ref[pl.ds(j, ROWS)] > 0
+            pick = (((pos - prefix)[:, None] == d[None, :]) & sv[None, :]).astype(dtype)  # one-hot rows
+            out += dot(pick, blk_ref[pl.ds(j, ROWS), pl.ds(lo, width)])
+        return out.astype(dtype)
+
+    def tail(pos, kn, kp):
+        in_prefix = (pos < prefix)[:, None]
+        return (
+            jnp.where(in_prefix, kn, gather(pos, 0, value_dim)),
+            jnp.where(in_prefix, kp, gather(pos, value_dim, rope_dim)),
+        )
+
+    last = prefix + jnp.max(jnp.where(see, depth, 0))
+    _attend_segment(q_ref, kv_ref, out_refs, prefix, last, tail, scale=scale, value_dim=value_dim, chunk=chunk)
+
+
+def _causal_segment_kernel(prefix_ref, q_ref, kv_ref, *out_refs, scale: float, value_dim: int, chunk: int):
+    """One (sequence, node, segment) program of a causal block whose latents the cache already holds: node j sits
+    at prefix + j with every earlier position its ancestor, so it is the decode step at that position. Its own
+    latent is read back from its slot and positions past it are zeros, the keys the tree gather gives a decode
+    step. prefix_ref: scalar int32; q_ref, kv_ref, out_refs as in `_segment_kernel`."""
+    last = prefix_ref[()] + pl.program_id(1)
+
+    def tail(pos, kn, kp):
+        seen = (pos <= last)[:, None]
+        return jnp.where(seen, kn, jnp.zeros_like(kn)), jnp.where(seen, kp, jnp.zeros_like(kp))
+
+    _attend_segment(q_ref, kv_ref, out_refs, last, last, tail, scale=scale, value_dim=value_dim, chunk=chunk)
 
 
 def _merge_kernel(live_ref, acc_ref, m_ref, l_ref, o_ref):
@@ -193,15 +233,16 @@ def tree_depths(tree_mask: jax.Array) -> jax.Array:
     return jnp.sum(tree_mask, axis=-1, dtype=jnp.int32) - 1
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "value_dim", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "value_dim", "causal", "interpret"))
 def mla_attention_exact(
     q: jax.Array,
     latent_cache: jax.Array,
     prefix_len: jax.Array,
-    tree_mask: jax.Array,
+    tree_mask: jax.Array | None,
     scale: float,
     value_dim: int = 512,
     *,
+    causal: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """Absorbed-MLA attention, batch- and tree-invariant; see the module docstring and
@@ -209,10 +250,12 @@ def mla_attention_exact(
 
     q `[B, N, Hq, Dk]`, latent_cache `[B, L, Dk]` (the N new nodes at slots prefix_len[b] + j), prefix_len `[B]`,
     tree_mask `[B, N, N]` bool (ancestors-or-self; node j's position is prefix_len + its depth) ->
-    `[B, N, Hq, value_dim]` in q.dtype. value_dim and Dk - value_dim must be powers of two.
+    `[B, N, Hq, value_dim]` in q.dtype. value_dim and Dk - value_dim must be powers of two. causal: the block is
+    causal (node j's ancestors are nodes 0..j; `tree_mask` is not read): every node attends straight over the
+    cache, as the decode step at its position (`_causal_segment_kernel`), so the block may exceed MAX_BLOCK.
     """
     b, n, heads, dk = q.shape
-    if n > MAX_BLOCK + 1:  # a budget-64 tree has 65 nodes
+    if n > MAX_BLOCK + 1 and not causal:  # a budget-64 tree has 65 nodes
         raise ValueError(f"{n} nodes in one call; the exact kernel takes at most {MAX_BLOCK + 1}")
     rope_dim = dk - value_dim
     for d in (value_dim, rope_dim):
@@ -225,13 +268,7 @@ def mla_attention_exact(
     length = latent_cache.shape[1]
     segments = pl.cdiv(length, SEGMENT)
     rows = max(ROWS, pl.next_power_of_2(heads))
-    n_pad = max(ROWS, pl.next_power_of_2(n))
     prefix = prefix_len.astype(jnp.int32)
-    blk = jax.vmap(lambda c, p: lax.dynamic_slice_in_dim(c, p, n))(latent_cache, prefix)
-    blk = jnp.pad(blk, ((0, 0), (0, n_pad - n), (0, 0)))
-    depths = tree_depths(tree_mask)
-    depth = jnp.pad(depths, ((0, 0), (0, n_pad - n)), constant_values=-1)
-    see = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)))
     qr = jnp.pad(q.astype(latent_cache.dtype), ((0, 0), (0, 0), (0, rows - heads), (0, 0)))
     if segments == 1:
         out_specs = pl.BlockSpec((None, None, rows, value_dim), lambda i, j, s: (i, j, 0, 0))
@@ -249,25 +286,46 @@ def mla_attention_exact(
             jax.ShapeDtypeStruct((b, n, segments, rows), jnp.float32),
             jax.ShapeDtypeStruct((b, n, segments, rows), jnp.float32),
         ]
-    out = pl.pallas_call(
-        functools.partial(_segment_kernel, scale=float(scale), value_dim=value_dim, chunk=chunk_len(dk)),
-        grid=(b, n, segments),
-        in_specs=[
-            pl.BlockSpec((None,), lambda i, j, s: (i,)),
+    common = {
+        "prefix": pl.BlockSpec((None,), lambda i, j, s: (i,)),
+        "q": pl.BlockSpec((None, None, rows, dk), lambda i, j, s: (i, j, 0, 0)),
+        "kv": pl.BlockSpec((None, length, dk), lambda i, j, s: (i, 0, 0)),
+    }
+    options = {"scale": float(scale), "value_dim": value_dim, "chunk": chunk_len(dk)}
+    if causal:
+        kernel = functools.partial(_causal_segment_kernel, **options)
+        in_specs = [common["prefix"], common["q"], common["kv"]]
+        args = (prefix, qr, latent_cache)
+        reach = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    else:
+        n_pad = max(ROWS, pl.next_power_of_2(n))
+        blk = jax.vmap(lambda c, p: lax.dynamic_slice_in_dim(c, p, n))(latent_cache, prefix)
+        blk = jnp.pad(blk, ((0, 0), (0, n_pad - n), (0, 0)))
+        depths = tree_depths(tree_mask)
+        depth = jnp.pad(depths, ((0, 0), (0, n_pad - n)), constant_values=-1)
+        see = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)))
+        kernel = functools.partial(_segment_kernel, **options)
+        in_specs = [
+            common["prefix"],
             pl.BlockSpec((None, n_pad), lambda i, j, s: (i, 0)),
             pl.BlockSpec((None, None, n_pad), lambda i, j, s: (i, j, 0)),
-            pl.BlockSpec((None, None, rows, dk), lambda i, j, s: (i, j, 0, 0)),
-            pl.BlockSpec((None, length, dk), lambda i, j, s: (i, 0, 0)),
+            common["q"],
+            common["kv"],
             pl.BlockSpec((None, n_pad, dk), lambda i, j, s: (i, 0, 0)),
-        ],
+        ]
+        args = (prefix, depth, see, qr, latent_cache, blk)
+        reach = jnp.max(jnp.where(tree_mask, depths[:, None, :], 0), axis=-1)  # depth reached (as the kernel)
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, n, segments),
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="mla_attention_exact",
-    )(prefix, depth, see, qr, latent_cache, blk)
+    )(*args)
     if segments > 1:
-        reach = jnp.max(jnp.where(tree_mask, depths[:, None, :], 0), axis=-1)  # depth reached (as the kernel)
         live = jnp.minimum(pl.cdiv(prefix[:, None] + reach + 1, SEGMENT), segments)  # `[B, N]` segments reached
         out = merge_partials(*out, live, q.dtype, interpret=interpret)
     return out[:, :, :heads]

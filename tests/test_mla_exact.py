@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla_attention import MLAConfig, mla_attention_split
-from pallas_kernels.mla_exact import SEGMENT, merge_partials, mla_attention_exact
+from pallas_kernels.mla_exact import MAX_BLOCK, SEGMENT, merge_partials, mla_attention_exact
 from pallas_kernels.reference import mla_attention_reference
 
 SCALE = 0.125
@@ -199,3 +199,24 @@ def test_a_prefill_block_equals_decode_steps_bitwise(prefix, length):
     cache = jnp.zeros((1, length, dk), jnp.bfloat16).at[0, :prefix].set(context).at[0, prefix : prefix + k].set(latents)
     out = exact(queries[None], cache, [prefix], np.tril(np.ones((1, k, k), bool)), dv)
     assert all(same_bits(out[0, t], want[t]) for t in range(k))
+
+
+def exact_causal(q, cache, prefix, value_dim: int) -> np.ndarray:
+    args = (jnp.asarray(prefix, jnp.int32), None, SCALE, value_dim)
+    return np.asarray(mla_attention_exact(q, cache, *args, causal=True, interpret=INTERPRET))
+
+
+@pytest.mark.parametrize(("prefix", "k", "length"), [(50, 1, 128), (SEGMENT - 40, MAX_BLOCK + 16, 2 * SEGMENT)])
+def test_a_causal_block_read_from_the_cache_equals_decode_steps_bitwise(prefix, k, length):
+    """The causal path (`causal=True`: nodes read their ancestors straight from the cache) gives each token its
+    decode step's bits: one token (the engine's AR step), and a block longer than MAX_BLOCK across a segment
+    boundary; the cache past the block holds noise, which the path must not see."""
+    rng = np.random.default_rng(2)
+    dk, dv = 160, 128
+    context, latents, queries = chain_setup(rng, jnp.bfloat16, dk, prefix, k)
+    want = decode_steps(exact, context, latents, queries, length, dv)
+    cache = jnp.asarray(rng.standard_normal((2, length, dk)), jnp.bfloat16)
+    cache = cache.at[1, :prefix].set(context).at[1, prefix : prefix + k].set(latents)
+    q = jnp.asarray(rng.standard_normal((2, k, HEADS, dk)), jnp.bfloat16).at[1].set(queries)
+    out = exact_causal(q, cache, [7, prefix], dv)
+    assert all(same_bits(out[1, t], want[t]) for t in range(k))

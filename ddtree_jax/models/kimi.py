@@ -113,11 +113,13 @@ class MLA(nnx.Module):
         kernels: Kernels,
         *,
         naive: bool = False,
+        causal: bool = False,
     ) -> tuple[jax.Array, jax.Array]:
         """x `[B, N, H]`, cache `[B, L, 576]` -> (y `[B, N, H]`, cache with the N new entries written).
 
         naive=True computes attention in the per-head (prefill) form over the new block only; it requires an
-        empty prefix (cache_len == 0), which the caller guarantees. `kernels` selects the attention kernel and the
+        empty prefix (cache_len == 0), which the caller guarantees. causal: block_mask is the causal mask (the
+        exact kernel then reads the block's keys from the cache). `kernels` selects the attention kernel and the
         products' (`dispatch.matmul`).
         """
         c = self.cfg
@@ -135,7 +137,7 @@ class MLA(nnx.Module):
                 q_abs = jnp.concatenate([ql, q_pe], axis=-1)
             with jax.named_scope("attention"):
                 o_lat = sharding.mla_attention(
-                    kernels, q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank
+                    kernels, q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank, causal
                 )
             with jax.named_scope("o_proj"):
                 w_uv = self.w_uv[...]  # [Hq, V, C]
@@ -345,8 +347,10 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
 
-    def __call__(self, h, positions, cache, cache_len, block_mask, kernels: Kernels | None = None, *, naive=False):
-        """One layer; kernels None: `Kernels.from_env()`."""
+    def __call__(
+        self, h, positions, cache, cache_len, block_mask, kernels: Kernels | None = None, *, naive=False, causal=False
+    ):
+        """One layer; kernels None: `Kernels.from_env()`; causal: block_mask is the causal mask."""
         kernels = Kernels.or_env(kernels)
         a, cache = self.self_attn(
             dispatch.rms_norm(kernels, h, self.input_layernorm[...], self.eps),
@@ -356,6 +360,7 @@ class DecoderLayer(nnx.Module):
             block_mask,
             kernels,
             naive=naive,
+            causal=causal,
         )
         h = h + a
         x = dispatch.rms_norm(kernels, h, self.post_attention_layernorm[...], self.eps)
@@ -433,13 +438,14 @@ class KimiForCausalLM(nnx.Module):
         kernel selection (None: `Kernels.from_env()`; the engine passes its `GenSpec.kernels`)."""
         kernels = Kernels.or_env(kernels)
         b, n = tokens.shape
-        if block_mask is None:
+        causal = block_mask is None
+        if causal:
             block_mask = causal_mask(b, n)
         h = self.embed(tokens)
         by_layer, new_cache = {}, []
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                h, c = layer(h, positions, cache[i], cache_len, block_mask, kernels, naive=naive)
+                h, c = layer(h, positions, cache[i], cache_len, block_mask, kernels, naive=naive, causal=causal)
             new_cache.append(c)
             if i in feature_layers:
                 by_layer[i] = h
