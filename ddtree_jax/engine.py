@@ -29,9 +29,11 @@ from ddtree_jax.models.kimi import ForwardOut, KimiForCausalLM, LatentCache
 from ddtree_jax.sampling import sample, split_rows
 from ddtree_jax.sizing import cache_slots
 from pallas_kernels import dispatch
+from pallas_kernels.mla_exact import MAX_BLOCK
 
 METHODS = ("ar", "dflash", "ddtree")
 DEFAULT_BUDGET = 16  # DDTree's node budget when none is given
+EXACT_PREFILL_TOKENS = 4096  # prompt tokens of all rows per prefill pass under the exact numerics (`prefill_chunk`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +99,18 @@ def tree_size(spec: GenSpec, draft_len: int) -> int:
     return 1 + (draft_len if spec.method == "dflash" else spec.budget)
 
 
+def prefill_chunk(spec: GenSpec) -> int:
+    """Prompt tokens per prefill pass: `spec.prefill_chunk`; under the exact numerics at most EXACT_PREFILL_TOKENS
+    over the batch's rows, but not below `mla_exact.MAX_BLOCK`: their attention writes a partial per (row, token,
+    context segment), so a pass's memory follows batch x chunk."""
+    if not spec.kernels.exact:
+        return spec.prefill_chunk
+    return min(spec.prefill_chunk, max(MAX_BLOCK, EXACT_PREFILL_TOKENS // spec.batch))
+
+
 def prefill_len(spec: GenSpec) -> int:
     """Slots the prefill writes: the prompt, rounded up to whole chunks when it is chunked."""
-    chunk = spec.prefill_chunk
+    chunk = prefill_chunk(spec)
     if spec.prompt_len <= chunk:
         return spec.prompt_len
     return -(-spec.prompt_len // chunk) * chunk
@@ -179,7 +190,7 @@ def prefill(
     """prompts `[B, P]` right-padded, prompt_len `[B]`, keys `[B]` (one per row) -> the loop state after the first
     generated token.
 
-    Up to `spec.prefill_chunk` tokens: one pass in the naive (per-head) MLA form (the absorbed form under
+    Up to `prefill_chunk(spec)` tokens: one pass in the naive (per-head) MLA form (the absorbed form under
     `spec.kernels.exact`, so a prompt token's cache entry is the one decoding would write). Longer: a scan over
     chunks in the absorbed form, each attending to the cache the earlier chunks wrote, so attention memory stays
     chunk x context.
@@ -190,7 +201,7 @@ def prefill(
     zeros = jnp.zeros((b,), jnp.int32)
     cache = target.init_cache(b, cap)
     dcache = drafter.init_cache(b, cap) if drafter is not None else None
-    chunk = min(spec.prompt_len, spec.prefill_chunk)
+    chunk = min(spec.prompt_len, prefill_chunk(spec))
     n_chunks = prefill_len(spec) // chunk
     chunks = jnp.pad(prompts, ((0, 0), (0, n_chunks * chunk - prompts.shape[1])))
     chunks = chunks.reshape(b, n_chunks, chunk).transpose(1, 0, 2)  # [n_chunks, B, C]

@@ -69,3 +69,12 @@ def test_exact_programs_compile_without_excess_precision():
     follows the shapes); the fast path keeps XLA's defaults."""
     assert engine.compiler_options(dataclasses.replace(INTERPRET, exact=True)) == {"xla_allow_excess_precision": False}
     assert engine.compiler_options(INTERPRET) is None
+
+
+def test_exact_prefill_passes_bound_the_batchs_tokens():
+    """Exact prefill chunks: the spec's 512 at a few rows, 4096 tokens over many rows, never below MAX_BLOCK (the
+    attention's partials grow with rows x chunk); the fast path takes the spec's chunk."""
+    exact = dataclasses.replace(INTERPRET, exact=True)
+    chunk = {b: engine.prefill_chunk(engine.GenSpec("ar", b, 1024, 8, kernels=exact)) for b in (1, 8, 32, 128)}
+    assert chunk == {1: 512, 8: 512, 32: 128, 128: 64}
+    assert engine.prefill_chunk(engine.GenSpec("ar", 128, 1024, 8, kernels=INTERPRET)) == 512
