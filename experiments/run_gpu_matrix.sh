@@ -3,7 +3,7 @@
 # call is at most 10, so pick stages with STAGES=...):
 #   1. sweeps over budget and concurrency on the shipped pair (one process: compilations shared), `auto` beside the
 #      fixed methods in every cell; without a calibration.json beside the drafter each sweep process first measures
-#      auto's cost table over its own grid (sweep_<axes>_calibration.json)
+#      auto's cost table of each axis over that axis's cells (sweep_<axis>_calibration.json)
 #   2. round-time breakdown   3. full-size cost model (bench_round, BENCH_LAYERS real-size layers)   4. context sweep
 #   5. float32 exactness at long context (sweep_context_float32)
 #   6. tree build: Pallas kernel vs plain JAX, top-k variants (bench_tree_build)   7. REPORT.md + plots
@@ -25,7 +25,23 @@
 #   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 4 min)
 #   and (STAGES=exact_check) the exact numerics: exact_probe, exact_check (issue 34; about 9 min; exact_probe_off:
 #   the probe without them)
-#   and (STAGES=auto) method=auto beside the fixed methods on the concurrency and context axes (issue 37)
+#   and (STAGES=auto) method=auto beside the fixed methods on the concurrency axis (batch 1-128, context 60) and the
+#   context axis (batch 1, context 60/1024/1888), issue 37: sweep_{concurrency,context}_auto. auto chooses by one cost
+#   table per axis over that axis's cells, sweep_<axis>_auto_calibration.json: experiments/results' one when it was
+#   measured on this device kind, dtype and numerics over that grid, else measured in the same process just before
+#   the axis's cells and written at once (concurrency first). The sweep runs with --ignore_eos, so its programs are
+#   the tables' own and a table costs only their 1-token twins: 42 programs without tables, 21 with both (the
+#   concurrency axis 30 / 15, the context axis 18 / 9). At 5.5-8 s a program (8 compile threads; the 2026-12-06 H100
+#   call compiled 21 in 117 s; the runs themselves take seconds) that is about 5-6.5 min without tables, 3 with.
+#   (STAGES=calibrate) measures only the tables (--calibrate_only; the same 42 programs, about 5-6.5 min).
+#   One call:  STAGES=auto MAX_NEW=64 REPEATS=2 experiments/run_gpu_matrix.sh   (about 6 min; cap AUTO_S=450)
+#   Cut short, it keeps each table measured and the cells swept. Split, each call about 3-5 min (the records and
+#   tables of the two axes are separate files, so the calls merge by copying):
+#     STAGES=auto MAX_NEW=64 REPEATS=2 AUTO_ARGS=--axis=concurrency experiments/run_gpu_matrix.sh   (30 programs)
+#     STAGES=auto MAX_NEW=64 REPEATS=2 AUTO_ARGS=--axis=context experiments/run_gpu_matrix.sh       (18 programs)
+#   Or tables first: STAGES=calibrate MAX_NEW=64 REPEATS=2 experiments/run_gpu_matrix.sh, copy the
+#   sweep_*_auto_calibration.json it returns into experiments/results (and commit them), then STAGES=auto with the
+#   same settings sweeps only (about 3 min). AUTO_ARGS narrows either stage (e.g. --axis=context).
 #
 # Results go to $OUT/results.tgz when OUT is set (the device tool's output folder), else experiments/results.
 # Each stage has a wall-clock cap in seconds (override through the environment) and writes its records after
@@ -47,7 +63,8 @@ MLA_S=${MLA_S:-560}
 PROFILE_S=${PROFILE_S:-120}
 LAYER_PROFILE_S=${LAYER_PROFILE_S:-540}
 EXACT_CHECK_S=${EXACT_CHECK_S:-380}
-AUTO_S=${AUTO_S:-400}
+AUTO_S=${AUTO_S:-450}
+CALIBRATE_S=${CALIBRATE_S:-450}
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 REPEATS=${REPEATS:-3}
 MAX_NEW=${MAX_NEW:-128}
@@ -117,11 +134,14 @@ want exact_probe_off && stage exact_probe_off 50 "$PY" -m experiments.exact_prob
 # shellcheck disable=SC2086  # EXACT_CHECK_ARGS / AUTO_ARGS: extra flags, word-split on purpose
 want exact_check && stage exact_check "$EXACT_CHECK_S" "$PY" -m experiments.exact_check --out_dir="$RES" \
   --max_new_tokens="$MAX_NEW" ${EXACT_CHECK_ARGS:-}
-# method=auto (issue 37) beside the fixed methods over concurrency 1-128 and context 60-1888, its cost table measured
-# first in the same process over those cells.
+# method=auto (issue 37) beside the fixed methods over concurrency 1-128 and context 60-1888, each axis's cost table
+# from experiments/results when it fits, else measured first in the same process; calibrate: the tables alone.
+AUTO=("${SWEEP[@]}" --axis=concurrency,context --concurrency=1,8,32,64,128 --contexts=60,1024,1888 --ignore_eos
+  --tag=auto --calibration_dir=experiments/results)
 # shellcheck disable=SC2086
-want auto && stage auto "$AUTO_S" "$PY" "${SWEEP[@]}" --axis=concurrency,context --concurrency=1,8,32,64,128 \
-  --contexts=60,1024,1888 ${AUTO_ARGS:-}
+want calibrate && stage calibrate "$CALIBRATE_S" "$PY" "${AUTO[@]}" --calibrate_only ${AUTO_ARGS:-}
+# shellcheck disable=SC2086
+want auto && stage auto "$AUTO_S" "$PY" "${AUTO[@]}" ${AUTO_ARGS:-}
 want layer_profile && stage layer_profile "$LAYER_PROFILE_S" "$PY" -m experiments.layer_profile --out_dir="$RES" \
   --layouts=single,rank --budgets=8,16 --concurrency=1,8 --context=1024
 if want mla_profile; then

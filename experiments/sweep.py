@@ -13,15 +13,19 @@ median wall time (compilation excluded). tokens_per_s is aggregate
 (generated tokens / wall_s); tokens_per_s_per_request the mean over rows of row tokens / batch wall time;
 tokens_per_round the acceptance length (committed tokens per round, bonus included); speedup is over AR measured
 in the same run at the same (B, context); `correct` says the greedy outputs equal AR's token for token.
-Results are rewritten after every (B, context) point to <out_dir>/sweep_<axis>.json and .md (sweep_<axis>_float32.* with
---dtype=float32, so an exactness run never overwrites the bf16 matrix).
+Results are rewritten after every (B, context) point to <out_dir>/sweep_<axis>.json and .md: sweep_<axis>_<tag>.* with
+--tag (a run beside the matrix, e.g. --tag=auto, leaves its records alone), then _float32 with --dtype=float32 (an
+exactness run never overwrites the bf16 matrix).
 
 `auto` (`Generator.generate(method="auto")`) runs beside the fixed methods at every cell: its row's `chosen` names
 the programs it picked (one per batch, from the untimed run) and `vs_best` its tokens/s over the best fixed method's
-in the cell. Its cost table is --calibration, else calibration.json beside --drafter, else measured first in this
-process over the sweep's own grid (every concurrency x context of the axes, the fixed methods as candidates;
-`ddtree_jax.calibration`) and written to <out_dir>/sweep_<axes>_calibration.json (axes joined by _, then the dtype
-outside bf16, as the records are named).
+in the cell. Its cost table is --calibration, else calibration.json beside --drafter (either serves every axis), else
+one table per axis over that axis's own cells (its concurrencies x contexts, its fixed methods as candidates):
+<calibration_dir>/<records' name>_calibration.json when that one was measured on this device, dtype and numerics over
+that grid, else measured in this process just before the axis's cells (`ddtree_jax.calibration`) and written at once
+to <out_dir>/<records' name>_calibration.json, e.g. sweep_concurrency_auto_calibration.json. --calibrate_only
+measures and writes those tables and stops. With --ignore_eos the sweep's programs are the tables' own (rows run to
+max_new_tokens), so measuring a table compiles only their 1-token twins.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from absl import flags
 from tqdm import tqdm
 
 from ddtree_jax.calibration import at_length
-from ddtree_jax.errors import run_app
+from ddtree_jax.cost_table import Candidate, CostTable
+from ddtree_jax.errors import UserError, run_app
 from experiments import common, workload
 
 FLAGS = flags.FLAGS
@@ -57,8 +62,13 @@ flags.DEFINE_list(
     "methods", ["ar", "dflash", "ddtree", "auto"], "methods per cell (ar always runs: it is the reference)"
 )
 flags.DEFINE_string(
-    "calibration", "", "auto's cost table (default: calibration.json beside --drafter, else measured here first)"
+    "calibration", "", "auto's cost table for every axis (default: calibration.json beside --drafter, else per axis)"
 )
+flags.DEFINE_string(
+    "calibration_dir", "", "folder of per-axis cost tables from an earlier run, used where they fit (default: none)"
+)
+flags.DEFINE_bool("calibrate_only", False, "measure and write each axis's cost table for auto, then stop (no sweep)")
+flags.DEFINE_string("tag", "", "records named sweep_<axis>_<tag> (e.g. auto), beside the matrix's sweep_<axis>")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and activations of both models")
 flags.DEFINE_integer(
     "compile_workers", min(8, os.cpu_count() or 1), "threads compiling all cells' programs up front (1: one by one)"
@@ -145,38 +155,82 @@ def group_specs(gen, group: Group) -> list:
     return [gen.spec_for(b, temperature=0.0, **_gen_kwargs(m, bud)) for m, bud in fixed for b in group.batches]
 
 
-def calibrate(gen, plans: dict[str, list[Group]], base: list[list[int]]):
-    """auto's cost table measured over the planned cells' concurrencies x contexts, the fixed methods as
-    candidates, rows cut from the sweep's prompts (`calibration.measure`); written to sweep_<axes>_calibration.json."""
-    from ddtree_jax.calibration import measure
-    from ddtree_jax.cost_table import Candidate
+class Grid(NamedTuple):
+    """auto's calibration grid of one axis: its fixed methods as candidates, its concurrencies and contexts."""
 
-    groups = [g for gs in plans.values() for g in gs]
+    candidates: list[Candidate]
+    batches: list[int]  # sorted
+    contexts: list[int]  # sorted
+
+
+def axis_grid(groups: list[Group]) -> Grid:
+    """The grid of an axis's groups (a table over it holds each cell at a grid point)."""
     fixed = dict.fromkeys((m, b) for g in groups for m, b in g.methods if m != "auto")
     candidates = [Candidate(m, b if m == "ddtree" else None) for m, b in fixed]
-    batches, contexts = sorted({g.concurrency for g in groups}), sorted({g.context for g in groups})
+    return Grid(candidates, sorted({g.concurrency for g in groups}), sorted({g.context for g in groups}))
+
+
+def table_path(directory: str | Path, axis: str) -> Path:
+    """<directory>/<the axis's records' name>_calibration.json."""
+    return Path(directory) / f"{result_name(axis)}_calibration.json"
+
+
+def calibrate(gen, axis: str, groups: list[Group], base: list[list[int]]) -> CostTable:
+    """auto's cost table of one axis measured over its grid (`axis_grid`), rows cut from the sweep's prompts
+    (`calibration.measure`); written to <out_dir> as soon as measured (`table_path`)."""
+    from ddtree_jax.calibration import measure
+
+    grid = axis_grid(groups)
     table = measure(
         gen,
         base,
-        candidates=candidates,
-        batches=batches,
-        contexts=contexts,
+        candidates=grid.candidates,
+        batches=grid.batches,
+        contexts=grid.contexts,
         max_new_tokens=FLAGS.max_new_tokens,
         repeats=FLAGS.repeats,
         compile_workers=FLAGS.compile_workers,
         target=FLAGS.target,
         drafter=FLAGS.drafter,
-        progress="calibrate auto",
+        progress=f"calibrate auto ({axis})",
     )
-    out = Path(FLAGS.out_dir or common.RESULTS_DIR) / f"{result_name('_'.join(FLAGS.axis))}_calibration.json"
+    out = table_path(FLAGS.out_dir or common.RESULTS_DIR, axis)
     out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out)
-    print(f"auto's cost table measured here: {out}")
+    print(f"auto's cost table for {axis} measured here: {out}")
     return table
 
 
+def stored_table(gen, axis: str, groups: list[Group]) -> CostTable | None:
+    """The axis's table in --calibration_dir when it was measured on this device, dtype and numerics over the axis's
+    grid; None otherwise (saying why when there is a table)."""
+    if not FLAGS.calibration_dir or not (path := table_path(FLAGS.calibration_dir, axis)).is_file():
+        return None
+    table, grid = CostTable.load(path), axis_grid(groups)
+    try:
+        table.check(**gen.device_identity())
+    except UserError as e:
+        print(f"not using {e}")
+        return None
+    names = {c.name for c in grid.candidates}
+    if (set(table.round_ms), table.batches, table.contexts) != (names, tuple(grid.batches), tuple(grid.contexts)):
+        print(f"not using {path}: its grid is not {axis}'s ({sorted(names)} x {grid.batches} x {grid.contexts})")
+        return None
+    print(f"auto's cost table for {axis}: {path}")
+    return table
+
+
+def use_table(gen, given: CostTable | None, axis: str, groups: list[Group], base: list[list[int]]) -> str:
+    """Make auto choose by `given` (--calibration or the drafter's, for every axis), else by the axis's own table
+    (`stored_table`, else `calibrate`); checked against this Generator. Returns where the table came from."""
+    if given is None:
+        gen.use_calibration(stored_table(gen, axis, groups) or calibrate(gen, axis, groups, base))
+    gen.calibration.check(**gen.device_identity())
+    return gen.calibration.source or f"measured in this run ({table_path('', axis).name})"
+
+
 def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) -> list[dict]:
-    """All cells of one axis -> records (also written to sweep_<axis>.json/.md after every cell)."""
+    """All cells of one axis -> records (also written to <result_name(axis)>.json/.md after every cell)."""
     max_pos = gen.target_config.max_position_embeddings
     records = []
     bar = tqdm(total=sum(len(g.methods) + FLAGS.repeats for g in groups), desc=f"sweep {axis}")
@@ -219,8 +273,9 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
 
 
 def result_name(axis: str) -> str:
-    """sweep_<axis> (axes joined by _), suffixed with the dtype unless it is bf16 (the matrix's default)."""
-    return f"sweep_{axis}" + ("" if FLAGS.dtype == "bfloat16" else f"_{FLAGS.dtype}")
+    """sweep_<axis>, then _<tag> with --tag, then _<dtype> unless it is bf16 (the matrix's default)."""
+    tag = f"_{FLAGS.tag}" if FLAGS.tag else ""
+    return f"sweep_{axis}{tag}" + ("" if FLAGS.dtype == "bfloat16" else f"_{FLAGS.dtype}")
 
 
 def main(_) -> None:
@@ -250,19 +305,22 @@ def main(_) -> None:
         "max_position_embeddings": gen.target_config.max_position_embeddings,
     }
     plans = {axis: plan_axis(gen, axis, base, config["num_draft"]) for axis in FLAGS.axis}
+    if FLAGS.calibrate_only:
+        for axis, groups in plans.items():
+            calibrate(gen, axis, groups, base)
+        return
     specs = [sp for groups in plans.values() for g in groups for sp in group_specs(gen, g)]
     print(f"compiling {len(set(specs))} programs on {FLAGS.compile_workers} threads")
     config["precompile_s"] = gen.precompile(specs, FLAGS.compile_workers)
     config["compile_workers"] = FLAGS.compile_workers
     print(f"compiled in {config['precompile_s']:.1f}s")
-    if "auto" in FLAGS.methods:
-        if gen.calibration is None:
-            gen.use_calibration(calibrate(gen, plans, base))
-        gen.calibration.check(**gen.device_identity())
-        config["calibration"] = gen.calibration.source or "measured in this run (sweep_<axes>_calibration.json)"
+    given = gen.calibration if "auto" in FLAGS.methods else None
     meta = common.metadata()
     for axis, groups in plans.items():
-        print(common.markdown_table(sweep_axis(gen, axis, groups, config, meta), COLUMNS))
+        axis_config = config
+        if "auto" in FLAGS.methods:
+            axis_config = {**config, "calibration": use_table(gen, given, axis, groups, base)}
+        print(common.markdown_table(sweep_axis(gen, axis, groups, axis_config, meta), COLUMNS))
 
 
 if __name__ == "__main__":

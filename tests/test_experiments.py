@@ -124,6 +124,27 @@ def test_sweep_reports_auto(tiny_pair, tmp_path):
     assert "## auto: the program chosen per batch" in (tmp_path / "REPORT.md").read_text()
 
 
+def test_sweep_auto_tables_per_axis(tiny_pair, tmp_path):
+    """--calibrate_only writes one table per axis and no records; a later sweep takes a --calibration_dir table that
+    fits its axis and measures the one missing, its records named by --tag (run_gpu_matrix's calibrate and auto)."""
+    target, drafter = tiny_pair
+    common = [f"--target={target}", f"--drafter={drafter}", "--axis_budgets=4", "--methods=ar,ddtree,auto"]
+    common += ["--concurrency=1", "--contexts=60", "--num_prompts=1", "--repeats=1", "--max_new_tokens=8"]
+    common += ["--ignore_eos", "--tag=auto"]
+    tables, out = tmp_path / "tables", tmp_path / "run"
+    run("sweep", *common, "--axis=concurrency", "--calibrate_only", f"--out_dir={tables}")
+    assert sorted(p.name for p in tables.iterdir()) == ["sweep_concurrency_auto_calibration.json"]
+    run("sweep", *common, "--axis=concurrency,context", f"--calibration_dir={tables}", f"--out_dir={out}")
+    used = {a: {r["calibration"] for r in records(out / f"sweep_{a}_auto.json")} for a in ("concurrency", "context")}
+    assert used == {
+        "concurrency": {str(tables / "sweep_concurrency_auto_calibration.json")},
+        "context": {"measured in this run (sweep_context_auto_calibration.json)"},
+    }
+    assert not (out / "sweep_concurrency_auto_calibration.json").exists()
+    table = json.loads((out / "sweep_context_auto_calibration.json").read_text())
+    assert (table["batches"], table["contexts"], list(table["candidates"])) == ([1], [60], ["ar", "ddtree-4"])
+
+
 def test_breakdown(tiny_pair, tmp_path):
     target, drafter = tiny_pair
     run(
