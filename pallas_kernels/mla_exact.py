@@ -19,7 +19,7 @@ in a verify call, whatever the batch and the cache's allocated length (issue 34,
   operations a merge of one partial would run.
 * Chunks reaching past the prefix gather the ancestors' latents into their position slots with one-hot dots over
   16-node tiles of the block (each gathered value is 1.0 x the latent, summed with exact zeros: exact).
-* A causal block (`causal=True`: prefill chunks, an AR step) needs no gather: node j's ancestors are the block's
+* A causal block (`causal=True`: the engine's prefill chunks) needs no gather: node j's ancestors are the block's
   nodes 0..j, which the cache already holds at their positions, so each node runs as the decode step at prefix + j,
   reading its keys from the cache (zeros past itself, as the gather gives). Such a block has no size limit.
 

@@ -438,8 +438,10 @@ class KimiForCausalLM(nnx.Module):
         kernel selection (None: `Kernels.from_env()`; the engine passes its `GenSpec.kernels`)."""
         kernels = Kernels.or_env(kernels)
         b, n = tokens.shape
-        causal = block_mask is None
-        if causal:
+        # A causal block of several tokens (a prefill chunk) may read its keys from the cache; a one-token step runs
+        # as a tree of one node, through the kernel a verify runs (under `exact`: the same code for both).
+        causal = block_mask is None and n > 1
+        if block_mask is None:
             block_mask = causal_mask(b, n)
         h = self.embed(tokens)
         by_layer, new_cache = {}, []
