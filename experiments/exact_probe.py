@@ -6,7 +6,8 @@ rows (issue 34).
     python -m experiments.exact_probe --noexact        # the same probe without them
 
 After a shared prefill of `--context` prompt tokens (absorbed form), the next `--tokens` tokens of the prompt are
-run (a) one per call as decode steps, (b) as one causal block, (c) as the ancestor chain of a `--tree`-node tree
+run (a) one per call as decode steps, (b) as one causal block under its mask (the tree kernel), (b') as the engine's
+prefill runs a causal block (reading the cache), (c) as the ancestor chain of a `--tree`-node tree
 whose other nodes are random tokens, (d) as decode steps in row 3 of a batch of 8 whose other rows hold other
 prompts, (e) the same with the other rows' prompts i * 7 % 23 tokens shorter (ragged, as the engine batches them).
 For (b)-(e) against (a), per layer: `equal` (bitwise, every token) and `max_diff`; the same for the logits. Every
@@ -73,6 +74,7 @@ def main(_) -> None:
 
     causal = np.tril(np.ones((1, k, k), bool))
     records = compare("block", run_block(target, kernels, cache, p, probe, causal, jit), want)
+    records += compare("prefill", run_block(target, kernels, cache, p, probe, None, jit), want)
     mask, chain = chain_tree(np.random.default_rng(0), FLAGS.tree, k)
     tokens = np.random.default_rng(1).integers(0, target.config.vocab_size, (1, FLAGS.tree))
     tokens[0, chain] = probe[0]

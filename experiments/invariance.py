@@ -14,15 +14,18 @@ from ddtree_jax import engine
 from ddtree_jax.sizing import cache_slots
 
 
-def _forward(target, kernels, cache, start, tokens: np.ndarray, mask: np.ndarray, jit: bool = False):
+def _forward(target, kernels, cache, start, tokens: np.ndarray, mask: np.ndarray | None, jit: bool = False):
     """One forward of `tokens [B, N]` at `start` (an int, or `[B]` per row; positions start + depth from `mask
-    [B, N, N]`) -> (residuals `[B, N, layers, H]`, logits `[B, N, V]`) as f32 numpy, and the cache with the block
-    written. jit: as one compiled program with the engine's compiler options (XLA fuses across ops), else op by op."""
-    b = tokens.shape[0]
+    [B, N, N]`; None: the model's causal block, as the engine's prefill runs it) -> (residuals `[B, N, layers, H]`,
+    logits `[B, N, V]`) as f32 numpy, and the cache with the block written. jit: as one compiled program with the
+    engine's compiler options (XLA fuses across ops), else op by op."""
+    b, n = tokens.shape
     starts = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
-    positions = starts[:, None] + jnp.asarray(mask.sum(-1) - 1, jnp.int32)
+    depth = np.arange(n) if mask is None else mask.sum(-1) - 1
+    positions = starts[:, None] + jnp.asarray(depth, jnp.int32)
     run = _compiled(target, kernels) if jit else functools.partial(_run, target, kernels)
-    feats, logits, cache = run(jnp.asarray(tokens, jnp.int32), positions, cache, starts, jnp.asarray(mask))
+    mask = None if mask is None else jnp.asarray(mask)
+    feats, logits, cache = run(jnp.asarray(tokens, jnp.int32), positions, cache, starts, mask)
     feats = np.asarray(feats.astype(jnp.float32)).reshape(*tokens.shape, target.config.num_hidden_layers, -1)
     return feats, np.asarray(logits), cache
 
@@ -49,18 +52,18 @@ def _compiled(target, kernels):
     return functools.partial(run, state)
 
 
-def run_block(target, kernels, cache, start: int, tokens: np.ndarray, mask: np.ndarray, jit: bool = False):
-    """One forward of `tokens [B, N]` at `start` (positions start + depth from `mask [B, N, N]`) -> (residuals
-    `[B, N, layers, H]`, logits `[B, N, V]`) as f32 numpy."""
+def run_block(target, kernels, cache, start: int, tokens: np.ndarray, mask: np.ndarray | None, jit: bool = False):
+    """One forward of `tokens [B, N]` at `start` (positions start + depth from `mask [B, N, N]`; None: the model's
+    causal block) -> (residuals `[B, N, layers, H]`, logits `[B, N, V]`) as f32 numpy."""
     feats, logits, _ = _forward(target, kernels, cache, start, tokens, mask, jit)
     return feats, logits
 
 
 def prefilled(target, kernels, prompts: np.ndarray, jit: bool = False):
-    """The latent caches after prefilling `prompts [B, P]` in one causal block (capacity P + 128 in whole chunks)."""
+    """The latent caches after prefilling `prompts [B, P]` in one causal block, as the engine's prefill (capacity
+    P + 128 in whole chunks)."""
     b, p = prompts.shape
-    causal = np.broadcast_to(np.tril(np.ones((p, p), bool)), (b, p, p))
-    return _forward(target, kernels, target.init_cache(b, cache_slots(p + 128)), 0, prompts, causal, jit)[2]
+    return _forward(target, kernels, target.init_cache(b, cache_slots(p + 128)), 0, prompts, None, jit)[2]
 
 
 def decode_steps(target, kernels, cache, start, tokens: np.ndarray, jit: bool = False):
