@@ -58,6 +58,14 @@ def padded_prompt_len(longest: int) -> int:
     return PROMPT_BUCKET * math.ceil(longest / PROMPT_BUCKET)
 
 
+def padded_prompts(rows: Sequence[Sequence[int]], prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """A program's prompt arguments: `rows` right-padded with 0 to `[B, prompt_len]` int32, and their lengths `[B]`."""
+    padded = np.zeros((len(rows), prompt_len), np.int32)
+    for i, p in enumerate(rows):
+        padded[i, : len(p)] = p
+    return padded, np.asarray([len(p) for p in rows], np.int32)
+
+
 @dataclasses.dataclass
 class GenerationResult:
     """One `generate` call. The batch runs as one program: `wall_s` is its execution for the whole batch
@@ -340,11 +348,8 @@ class Generator:
         n, batch = len(prompts), spec.batch
         rows = list(prompts) + [prompts[-1]] * (batch - n)
         (program, t_state, d_state), compile_s = self.compiled(spec)
-        padded = np.zeros((batch, spec.prompt_len), np.int32)
-        for i, p in enumerate(rows):
-            padded[i, : len(p)] = p
         keys = request_keys(seed, indices + indices[-1:] * (batch - n))
-        args = jax.device_put((padded, np.array([len(p) for p in rows], np.int32), keys))
+        args = jax.device_put((*padded_prompts(rows, spec.prompt_len), keys))
         t0 = time.perf_counter()
         out = jax.block_until_ready(program(t_state, d_state, *args))
         wall = time.perf_counter() - t0

@@ -445,15 +445,19 @@ def compile_generate(target: KimiForCausalLM, drafter: DFlashDrafter | None, spe
         d = nnx.merge(dg, d_state) if dg is not None else None
         return generate(t, d, spec, prompts, prompt_len, keys)
 
-    shapes = (
+    precision = matmul_precision(target.dtype)
+    with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+        compiled = jax.jit(run).lower(ts, ds, *call_shapes(spec)).compile(compiler_options(spec.kernels))
+    return compiled, ts, ds
+
+
+def call_shapes(spec: GenSpec) -> tuple:
+    """The shapes of a `spec` program's per-call arguments: prompts `[B, P]` and prompt_len `[B]` int32, keys `[B]`."""
+    return (
         jax.ShapeDtypeStruct((spec.batch, spec.prompt_len), jnp.int32),
         jax.ShapeDtypeStruct((spec.batch,), jnp.int32),
         jax.eval_shape(lambda: jax.random.split(jax.random.key(0), spec.batch)),
     )
-    precision = matmul_precision(target.dtype)
-    with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
-        compiled = jax.jit(run).lower(ts, ds, *shapes).compile(compiler_options(spec.kernels))
-    return compiled, ts, ds
 
 
 def compiler_options(kernels: dispatch.Kernels) -> dict[str, bool] | None:

@@ -29,6 +29,7 @@ from absl import flags
 from flax import nnx
 
 from ddtree_jax import engine
+from ddtree_jax.api import Generator, padded_prompts
 from ddtree_jax.calibration import at_length
 from ddtree_jax.errors import run_app
 from ddtree_jax.sampling import request_keys
@@ -60,12 +61,7 @@ def compile_final_state(target, spec: engine.GenSpec):
         s = jax.lax.while_loop(lambda st: ~jnp.all(st.done), lambda st: engine.ar_round(t, spec, st), s)
         return s.out, s.n_out, s.cache
 
-    shapes = (
-        jax.ShapeDtypeStruct((spec.batch, spec.prompt_len), jnp.int32),
-        jax.ShapeDtypeStruct((spec.batch,), jnp.int32),
-        jax.eval_shape(lambda: jax.random.split(jax.random.key(0), spec.batch)),
-    )
-    compiled = jax.jit(run).lower(state, *shapes).compile(engine.compiler_options(spec.kernels))
+    compiled = jax.jit(run).lower(state, *engine.call_shapes(spec)).compile(engine.compiler_options(spec.kernels))
     return (lambda *args: compiled(state, *args)), compiled.as_text()
 
 
@@ -81,11 +77,7 @@ def run_rows(gen, rows: list[list[int]], indices: list[int], programs: dict, nam
             path.parent.mkdir(parents=True, exist_ok=True)
             with gzip.open(path, "wt") as f:
                 f.write(programs[spec][1])
-    padded = np.zeros((spec.batch, spec.prompt_len), np.int32)
-    for i, p in enumerate(rows):
-        padded[i, : len(p)] = p
-    lengths = np.asarray([len(p) for p in rows], np.int32)
-    out, n_out, cache = programs[spec][0](padded, lengths, request_keys(0, indices))
+    out, n_out, cache = programs[spec][0](*padded_prompts(rows, spec.prompt_len), request_keys(0, indices))
     out, n_out = np.asarray(out), np.asarray(n_out)
     caches = np.stack([np.asarray(c.astype(jnp.float32)) for c in cache])
     return [out[i, : n_out[i]].tolist() for i in range(len(rows))], caches
@@ -111,7 +103,6 @@ def compare(case: str, i: int, n: int, alone, together, row: int) -> dict:
 
 
 def main(_) -> None:
-    from ddtree_jax.api import Generator
 
     gen = Generator.load(FLAGS.target, dtype=jnp.dtype(FLAGS.dtype), exact=FLAGS.exact)
     base, _ = workload.load_prompts(gen, FLAGS.prompts, FLAGS.num_prompts)

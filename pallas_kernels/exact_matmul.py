@@ -56,6 +56,13 @@ def tiling(k: int, n: int, dtype: DTypeLike) -> Tiling:
     return Tiling(_pow2_at_most(n, ROW_BYTES // jnp.dtype(dtype).itemsize), _pow2_at_most(k, BLOCK_K))
 
 
+def ieee_dot(dtype: DTypeLike):
+    """`jnp.dot` with f32 accumulation for operands of `dtype` inside a kernel: f32 operands multiply in IEEE f32
+    (Triton's default for them is TF32), bf16 ones need no setting."""
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    return functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+
+
 def _kernel(x_ref, w_ref, o_ref, *, rows: int, tile: Tiling, transposed: bool) -> None:
     """One (head, row tile, column tile) program: o[:, n0:n0 + block_n] = x @ w[:, n0:n0 + block_n].
 
@@ -68,10 +75,7 @@ def _kernel(x_ref, w_ref, o_ref, *, rows: int, tile: Tiling, transposed: bool) -
     own = pl.program_id(2) * bn
     n0 = jnp.minimum(own, n - bn)  # the last tile may overlap its predecessor
     row_ok = (pl.program_id(1) * BLOCK_M + jnp.arange(BLOCK_M, dtype=jnp.int32) < rows)[:, None]
-    f32 = x_ref.dtype == jnp.float32
-    dot = functools.partial(
-        jnp.dot, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST if f32 else None
-    )
+    dot = ieee_dot(x_ref.dtype)
 
     def step(k0, acc, fresh=None):
         mask = row_ok if fresh is None else row_ok & fresh[None, :]

@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.exact_matmul import ieee_dot
 from pallas_kernels.mla_combine import merge_splits
 
 _LOG2E = math.log2(math.e)
@@ -147,12 +148,7 @@ def _kernel(
     qp = q_ref[:, pl.ds(value_dim, rope_dim)]
     qk_scale = scale * _LOG2E
     cols = jnp.arange(block_k, dtype=jnp.int32)
-    # f32 operands multiply in IEEE f32 (Triton's default for them is TF32); bf16 ones need no setting
-    dot = functools.partial(
-        jnp.dot,
-        preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST if kv_ref.dtype == jnp.float32 else None,
-    )
+    dot = ieee_dot(kv_ref.dtype)
 
     def tile(t, carry, masked: bool):
         acc, m_i, l_i = carry

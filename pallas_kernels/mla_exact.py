@@ -40,6 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.exact_matmul import ieee_dot
+
 _LOG2E = math.log2(math.e)
 _NEG_INIT = -1e30  # finite running-max start
 CHUNK = 64  # absolute positions per context chunk (the cache is allocated in multiples of it: sizing.CACHE_ALIGN)
@@ -61,16 +63,6 @@ def chunk_len(latent_dim: int) -> int:
     return CHUNK if latent_dim <= 256 else WIDE_CHUNK
 
 
-def _dot(dtype):
-    """The kernels' products, f32 accumulation: f32 operands multiply in IEEE f32 (Triton's default for them is
-    TF32); bf16 ones need no setting."""
-    return functools.partial(
-        jnp.dot,
-        preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST if dtype == jnp.float32 else None,
-    )
-
-
 def _attend_segment(q_ref, kv_ref, out_refs, prefix, last, tail, *, scale: float, value_dim: int, chunk: int) -> None:
     """The node's segment (program axis 2) of its positions [0, last]: chunks wholly below `prefix` read from the
     cache, later ones through `tail(pos, kn, kp) -> (kn, kp)`, which supplies the keys from `prefix` on (the node's
@@ -87,7 +79,7 @@ def _attend_segment(q_ref, kv_ref, out_refs, prefix, last, tail, *, scale: float
     qn = q_ref[:, pl.ds(0, value_dim)]
     qp = q_ref[:, pl.ds(value_dim, rope_dim)]
     dtype = kv_ref.dtype
-    dot = _dot(dtype)
+    dot = ieee_dot(dtype)
     cols = jnp.arange(chunk, dtype=jnp.int32)
 
     def attend(carry, pos, kn, kp):
@@ -145,7 +137,7 @@ def _segment_kernel(
     prefix = prefix_ref[()]
     depth, see = depth_ref[...], see_ref[...] > 0
     dtype = kv_ref.dtype
-    dot = _dot(dtype)
+    dot = ieee_dot(dtype)
 
     def gather(pos, lo: int, width: int):
         """`[chunk, width]`: channels [lo, lo + width) of the ancestor at each position (zeros where none), one
@@ -286,15 +278,13 @@ def mla_attention_exact(
             jax.ShapeDtypeStruct((b, n, segments, rows), jnp.float32),
             jax.ShapeDtypeStruct((b, n, segments, rows), jnp.float32),
         ]
-    common = {
-        "prefix": pl.BlockSpec((None,), lambda i, j, s: (i,)),
-        "q": pl.BlockSpec((None, None, rows, dk), lambda i, j, s: (i, j, 0, 0)),
-        "kv": pl.BlockSpec((None, length, dk), lambda i, j, s: (i, 0, 0)),
-    }
+    prefix_spec = pl.BlockSpec((None,), lambda i, j, s: (i,))
+    q_spec = pl.BlockSpec((None, None, rows, dk), lambda i, j, s: (i, j, 0, 0))
+    kv_spec = pl.BlockSpec((None, length, dk), lambda i, j, s: (i, 0, 0))
     options = {"scale": float(scale), "value_dim": value_dim, "chunk": chunk_len(dk)}
     if causal:
         kernel = functools.partial(_causal_segment_kernel, **options)
-        in_specs = [common["prefix"], common["q"], common["kv"]]
+        in_specs = [prefix_spec, q_spec, kv_spec]
         args = (prefix, qr, latent_cache)
         reach = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     else:
@@ -306,11 +296,11 @@ def mla_attention_exact(
         see = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)))
         kernel = functools.partial(_segment_kernel, **options)
         in_specs = [
-            common["prefix"],
+            prefix_spec,
             pl.BlockSpec((None, n_pad), lambda i, j, s: (i, 0)),
             pl.BlockSpec((None, None, n_pad), lambda i, j, s: (i, j, 0)),
-            common["q"],
-            common["kv"],
+            q_spec,
+            kv_spec,
             pl.BlockSpec((None, n_pad, dk), lambda i, j, s: (i, 0, 0)),
         ]
         args = (prefix, depth, see, qr, latent_cache, blk)
