@@ -99,7 +99,7 @@ class GenerationResult:
 
 class Generator:
     """A target model, an optional DFlash drafter and tokenizer, a cache of compiled programs, and the cost table
-    (with its running acceptance) that `method="auto"` chooses by."""
+    (with the acceptance observed so far) that `method="auto"` chooses by."""
 
     def __init__(
         self,
@@ -138,10 +138,10 @@ class Generator:
 
     def use_calibration(self, table: cost_table.CostTable | Path | None) -> None:
         """Make `table` (a path: read when first needed) the one `method="auto"` chooses by, checked against this
-        Generator's devices and dtype when auto uses it; its acceptance starts the running means."""
+        Generator's devices and dtype when auto uses it; its acceptance is where `acceptance` starts."""
         self._calibration = table
         loaded = isinstance(table, cost_table.CostTable)
-        self.acceptance = cost_table.Acceptance(table.tokens_per_round) if loaded else None
+        self.acceptance = cost_table.Acceptance(table.tokens_per_round, table.acceptance_rounds) if loaded else None
 
     @property
     def calibration(self) -> cost_table.CostTable | None:
@@ -260,9 +260,10 @@ class Generator:
             list(pool.map(self.compiled, todo))
         return time.perf_counter() - t0
 
-    def choose(self, batch: int, context: int) -> cost_table.Choice:
+    def choose(self, batch: int, context: int, max_new_tokens: int) -> cost_table.Choice:
         """What `method="auto"` runs for a batch of `batch` rows (the padded batch size) whose longest prompt has
-        `context` tokens: `ar` without a drafter, else the cost table's fastest candidate at the running acceptance.
+        `context` tokens, generating `max_new_tokens`: `ar` without a drafter, else the cost table's fastest
+        candidate at the acceptance observed so far (`cost_table.Acceptance`).
         A `UserError` when there is no table, or one measured on other devices or in another dtype."""
         if self.drafter is None:
             return cost_table.Choice(cost_table.Candidate("ar"), batch, context, {}, cost_table.NO_DRAFTER)
@@ -272,7 +273,7 @@ class Generator:
                 f"(it writes {cost_table.FILE_NAME} beside the drafter), or pass calibration= or another method"
             )
         self.calibration.check(**self.device_identity())
-        return self.calibration.choose(batch, context, self.acceptance.means())
+        return self.calibration.choose(batch, context, max_new_tokens, self.acceptance.means())
 
     def generate(
         self,
@@ -296,7 +297,7 @@ class Generator:
 
         method: "ar", "dflash", "ddtree" (budget: its node budget, None: `engine.DEFAULT_BUDGET`) or "auto": the
         program `choose` picks for this batch, budget included (so auto takes no budget); the result's `auto` says
-        what it chose and why, and the batch's acceptance joins that candidate's running mean. Every method gives
+        what it chose and why, and the batch's acceptance updates `acceptance`. Every method gives
         the target's own output (greedy: `ar`'s tokens).
 
         Sampling (temperature > 0): prompt i's randomness depends only on (seed, request_indices[i]) (default
@@ -342,7 +343,8 @@ class Generator:
         if method == "auto":
             if budget is not None:
                 raise ValueError('method="auto" chooses the budget: pass a budget only with method="ddtree"')
-            auto = self.choose(max(len(prompts), pad_batch_to or 0), max(len(p) for p in prompts))
+            padded, context = max(len(prompts), pad_batch_to or 0), max(len(p) for p in prompts)
+            auto = self.choose(padded, context, max_new_tokens)
             method, budget = auto.candidate.method, auto.candidate.spec_budget
         spec = self.spec_for(prompts, method=method, budget=budget, pad_batch_to=pad_batch_to, **settings)
         n, batch = len(prompts), spec.batch
@@ -390,7 +392,7 @@ class Generator:
         total_rounds = int(rounds[:n].sum())
         if auto is not None and auto.reason == cost_table.FROM_TABLE and total_rounds:
             committed = float((hist[:n] * np.arange(hist.shape[1])).sum())
-            self.acceptance.observe(auto.candidate.name, committed / total_rounds)
+            self.acceptance.observe(auto.candidate.name, committed, total_rounds)
         rate = sum(generated) / wall if wall > 0 else 0.0
         return GenerationResult(result_tokens, texts, stats, wall, compile_s, rate, batch_rounds, spec, auto)
 

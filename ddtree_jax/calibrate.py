@@ -4,8 +4,9 @@
 
 For every candidate program (--candidates: ar, the DFlash chain, DDTree at node budgets) at every batch size
 (--batches) and context (--contexts, prompts of that many tokens cut from the --prompts file's token stream): the
-round time, (wall of a --max_new_tokens run - wall of a 1-token run) / rounds, medians of --repeats runs with
-compilation excluded; and each candidate's acceptance (tokens committed per round) over those runs at temperature 0.
+call time, the wall of a 1-token run, and the round time, (wall of a --max_new_tokens run - the call time) / rounds,
+medians of --repeats runs with compilation excluded; and each candidate's acceptance (tokens committed per round) at
+temperature 0 over runs of at least 16 rows per grid point (as many as there are prompts, when fewer).
 Contexts past the pair's position limit (with --max_new_tokens and the draft slots) are lowered to it.
 
 The table goes to calibration.json in the --drafter directory (or --output), written once at the end; an existing
@@ -99,11 +100,11 @@ def fitting_contexts(contexts: list[int], limit: int, draft_slots: int) -> list[
     return lowered
 
 
-def choices_text(table: cost_table.CostTable) -> str:
-    """The candidate auto would choose at each grid point, at the table's acceptance."""
+def choices_text(table: cost_table.CostTable, max_new_tokens: int) -> str:
+    """The candidate auto would choose at each grid point for runs of `max_new_tokens`, at the table's acceptance."""
 
     def chosen(b: int, c: int) -> str:
-        return table.choose(b, c, table.tokens_per_round).candidate.name
+        return table.choose(b, c, max_new_tokens, table.tokens_per_round).candidate.name
 
     head = "batch \\ context  " + "  ".join(f"{c:>10}" for c in table.contexts)
     rows = [f"{b:>15}  " + "  ".join(f"{chosen(b, c):>10}" for c in table.contexts) for b in table.batches]
@@ -166,7 +167,8 @@ def main(argv: Sequence[str]) -> None:
     )
     table = dataclasses.replace(table, settings=table.settings | {"prompts": FLAGS.prompts})
     table.save(out)
-    print(f"wrote {out}\nauto's choice at the measured acceptance:\n{choices_text(table)}")
+    choices = choices_text(table, FLAGS.max_new_tokens)
+    print(f"wrote {out}\nauto's choice for {FLAGS.max_new_tokens} new tokens at the measured acceptance:\n{choices}")
 
 
 def run() -> None:

@@ -1,14 +1,16 @@
-"""Measure a cost table (`cost_table.CostTable`) with a Generator: the round time of every candidate program at
-every (batch, context) of a grid, and each candidate's acceptance.
+"""Measure a cost table (`cost_table.CostTable`) with a Generator: the round and call times of every candidate
+program at every (batch, context) of a grid, and each candidate's acceptance.
 
 At each grid point the rows are `batch` prompts of `context` tokens cut from the held-out prompts' token stream
-(`at_length`). A candidate's round time there is (wall of a run to max_new_tokens - wall of a 1-token run, which is
-the prefill) / the rounds its mean row took, the walls being medians of `repeats` runs. A batch runs until its
-slowest row is done, so this is longer than one loop iteration by the straggler's margin at that batch size, and
-B x tokens per round / round time is the batch's real rate (`CostTable.choose`) (compilation excluded; every
-program is compiled up front, the candidates' runs interleaved so drift falls on all alike; stop tokens ignored, so
-every row runs max_new_tokens). Its acceptance is the tokens it committed per round over all those grid runs at
-temperature 0.
+(`at_length`). A candidate's call time there is the wall of a 1-token run (the prefill and whatever else a run pays
+once), its round time (wall of a run to max_new_tokens - that wall) / the rounds its mean row took, the walls being
+medians of `repeats` runs. A batch runs until its slowest row is done, so the round time is longer than one loop
+iteration by the straggler's margin at that batch size, and call + rounds x round time is the batch's real time
+(`CostTable.choose`) (compilation excluded; every program is compiled up front, the candidates' runs interleaved so
+drift falls on all alike; stop tokens ignored, so every row runs max_new_tokens). Its acceptance is the tokens it
+committed per round at temperature 0 over untimed runs of at least `ACCEPTANCE_ROWS` rows per grid point (batches
+of that point's size cut further along the stream; fewer when the prompts are fewer), so that a grid of small
+batches does not rest on a handful of rows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from ddtree_jax.api import Generator
 
 MIN_ROUND_MS = 1e-3  # a round time lost in timing noise (wall difference <= 0) is recorded as 1 us
+ACCEPTANCE_ROWS = 16  # rows per grid point whose acceptance is measured (at most one per distinct prompt)
 
 
 def at_length(prompts: Sequence[Sequence[int]], length: int, n: int) -> list[list[int]]:
@@ -73,26 +76,32 @@ def measure(
     bar.set_postfix_str(f"compiling {len(set(specs))} programs")
     gen.precompile(specs, compile_workers)
     round_ms = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
+    call_ms = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
     committed, rounds = dict.fromkeys(round_ms, 0.0), dict.fromkeys(round_ms, 0)
     for (b, ctx), rows in grid.items():
+        extra = at_length(prompts, ctx, b * -(-min(ACCEPTANCE_ROWS, len(prompts)) // b))[b:]  # after `rows`
         iterations = {}
         for name, r in runs.items():  # warm-up; the acceptance comes from these runs
-            first = gen.generate(rows, **r[max_new_tokens], **settings)
             gen.generate(rows, **r[1], **settings)
-            iterations[name] = sum(st["rounds"] for st in first.stats) / len(first.stats)  # the mean row's
-            committed[name] += sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
-            rounds[name] += sum(st["rounds"] for st in first.stats)
+            for i, batch in enumerate([rows] + [extra[j : j + b] for j in range(0, len(extra), b)]):
+                res = gen.generate(batch, **r[max_new_tokens], **settings)
+                if i == 0:
+                    iterations[name] = sum(st["rounds"] for st in res.stats) / len(res.stats)  # the mean row's
+                committed[name] += sum(st["tokens_per_round"] * st["rounds"] for st in res.stats)
+                rounds[name] += sum(st["rounds"] for st in res.stats)
         walls = {name: {n: [] for n in r} for name, r in runs.items()}
         for _ in range(repeats):
             for name, r in runs.items():
                 for n, kw in r.items():
                     walls[name][n].append(gen.generate(rows, **kw, **settings).wall_s)
         for name, w in walls.items():
-            diff = statistics.median(w[max_new_tokens]) - statistics.median(w[1])
-            ms = diff * 1e3 / max(iterations[name], 1.0)
+            call = statistics.median(w[1])
+            ms = (statistics.median(w[max_new_tokens]) - call) * 1e3 / max(iterations[name], 1.0)
             if ms < MIN_ROUND_MS:
                 logging.warning("%s at batch %d, context %d: round time %.4f ms lost in noise", name, b, ctx, ms)
-            round_ms[name][batches.index(b), contexts.index(ctx)] = max(ms, MIN_ROUND_MS)
+            at = batches.index(b), contexts.index(ctx)
+            round_ms[name][at] = max(ms, MIN_ROUND_MS)
+            call_ms[name][at] = max(call * 1e3, MIN_ROUND_MS)
             bar.set_postfix_str(f"batch {b}, context {ctx}")
             bar.update()
     bar.close()
@@ -104,6 +113,8 @@ def measure(
         batches=tuple(batches),
         contexts=tuple(contexts),
         round_ms={n: tuple(tuple(float(v) for v in row) for row in g) for n, g in round_ms.items()},
+        call_ms={n: tuple(tuple(float(v) for v in row) for row in g) for n, g in call_ms.items()},
         tokens_per_round={n: committed[n] / rounds[n] if rounds[n] and n != "ar" else 1.0 for n in round_ms},
+        acceptance_rounds=max(1, min((rounds[c.name] for c in candidates if c.method != "ar"), default=1)),
         settings={"max_new_tokens": max_new_tokens, "repeats": repeats, "kernels": repr(specs[0].kernels)},
     )

@@ -1,16 +1,18 @@
 """The cost table `method="auto"` chooses by, and the choice.
 
 A table holds, for each candidate program (`ar`, the DFlash chain `dflash`, DDTree at a node budget `ddtree-<b>`),
-its round time in ms at a grid of batch sizes x contexts (prompt tokens): the batch's time per round of its mean row,
-which includes waiting for the batch's slowest row (`calibration`), measured on one machine
-(`ddtree-calibrate`, `ddtree_jax.calibration`), and its acceptance: tokens committed per round (`ar`: 1).
+at a grid of batch sizes x contexts (prompt tokens), measured on one machine (`ddtree-calibrate`,
+`ddtree_jax.calibration`): its round time in ms (the batch's time per round of its mean row, which includes waiting
+for the batch's slowest row) and its call time in ms (a 1-token run: the prefill, the drafter's context and what
+else a run pays once); and its acceptance: tokens committed per round (`ar`: 1), pooled over the grid's runs.
 
-For a batch of B rows whose longest prompt has C tokens, `CostTable.choose` picks the candidate with the highest
-expected rate B x tokens_per_round / round_ms(B, C): round_ms interpolated linearly in batch and in context between
-grid points, clamped at the grid's ends; tokens_per_round as `Acceptance` has it (the running mean of what the
-candidate committed so far, starting from the table's). The table is JSON (`calibration.json`, next to the drafter
-by default) and names the device kind and count, the dtype, the exact switch, the jax version and the pair it was
-measured with; a table from another device, dtype or switch setting is refused (`CostTable.check`).
+For a batch of B rows whose longest prompt has C tokens, generating N tokens, `CostTable.choose` picks the
+candidate with the highest expected rate B x N / (call_ms + (N - 1) / tokens_per_round x round_ms): the times
+interpolated linearly in batch and in context between grid points, clamped at the grid's ends; tokens_per_round as
+`Acceptance` has it (the table's, scaled by how the batches served so far accepted against it). The table is JSON
+(`calibration.json`, next to the drafter by default) and names the device kind and count, the dtype, the exact
+switch, the jax version and the pair it was measured with; a table from another device, dtype or switch setting is
+refused (`CostTable.check`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ddtree_jax.errors import UserError
 from ddtree_jax.prompts import atomic_write
 
 FILE_NAME = "calibration.json"  # the table's name beside the drafter checkpoint
-FORMAT = "ddtree-cost-table/1"
+FORMAT = "ddtree-cost-table/2"
 DEFAULT_CANDIDATES = ("ar", "dflash", "ddtree-4", "ddtree-8", "ddtree-16", "ddtree-32")
 FROM_TABLE, NO_DRAFTER = "cost table", "no drafter"  # a `Choice`'s reasons
 
@@ -103,8 +105,8 @@ def _segment(grid: Sequence[int], x: float) -> tuple[int, int, float]:
 
 @dataclasses.dataclass(frozen=True)
 class CostTable:
-    """Each candidate's round time in ms, `[len(batches)][len(contexts)]`, and tokens per round, keyed by
-    candidate name in the order measured; and what they were measured with."""
+    """Each candidate's round and call times in ms, `[len(batches)][len(contexts)]`, and tokens per round, keyed
+    by candidate name in the order measured; and what they were measured with."""
 
     device_kind: str  # jax's `device_kind` of the devices, e.g. "NVIDIA H200" or "cpu"
     device_count: int  # devices the programs ran on
@@ -115,7 +117,9 @@ class CostTable:
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
     round_ms: Mapping[str, tuple[tuple[float, ...], ...]]
+    call_ms: Mapping[str, tuple[tuple[float, ...], ...]]
     tokens_per_round: Mapping[str, float]
+    acceptance_rounds: int  # the fewest rounds a drafting candidate's acceptance was measured over
     exact: bool = False  # the programs ran the exact numerics (`Generator(exact=)`), whose round times differ
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # how it was measured (provenance)
     source: str = dataclasses.field(default="", compare=False)  # the file it was read from; "" if measured here
@@ -124,15 +128,20 @@ class CostTable:
         for name, grid in (("batches", self.batches), ("contexts", self.contexts)):
             if not grid or any(not isinstance(v, int) or v < 1 for v in grid) or list(grid) != sorted(set(grid)):
                 raise ValueError(f"{name} must be increasing integers >= 1, got {list(grid)}")
-        if not self.round_ms or list(self.round_ms) != list(self.tokens_per_round):
-            raise ValueError("round_ms and tokens_per_round must name the same candidates, at least one")
-        for name, grid in self.round_ms.items():
+        if not self.round_ms or not list(self.round_ms) == list(self.call_ms) == list(self.tokens_per_round):
+            raise ValueError("round_ms, call_ms and tokens_per_round must name the same candidates, at least one")
+        if not isinstance(self.acceptance_rounds, int) or self.acceptance_rounds < 1:
+            raise ValueError(f"acceptance_rounds must be an integer >= 1, got {self.acceptance_rounds}")
+        for name in self.round_ms:
             Candidate.parse(name)
-            shape = [len(row) for row in grid]
-            if shape != [len(self.contexts)] * len(self.batches):
-                raise ValueError(f"{name}: round_ms is not {len(self.batches)} batches x {len(self.contexts)} contexts")
-            if not all(math.isfinite(v) and v > 0 for row in grid for v in row):
-                raise ValueError(f"{name}: round times must be finite and > 0")
+            for kind, grid in (("round_ms", self.round_ms[name]), ("call_ms", self.call_ms[name])):
+                shape = [len(row) for row in grid]
+                if shape != [len(self.contexts)] * len(self.batches):
+                    raise ValueError(
+                        f"{name}: {kind} is not {len(self.batches)} batches x {len(self.contexts)} contexts"
+                    )
+                if not all(math.isfinite(v) and v > 0 for row in grid for v in row):
+                    raise ValueError(f"{name}: {kind} must be finite and > 0")
             tpr = self.tokens_per_round[name]
             if not (math.isfinite(tpr) and tpr >= 1) or (name == "ar" and tpr != 1):
                 raise ValueError(f"{name}: tokens per round must be >= 1 (ar: 1), got {tpr}")
@@ -141,19 +150,36 @@ class CostTable:
     def candidates(self) -> tuple[Candidate, ...]:
         return tuple(Candidate.parse(name) for name in self.round_ms)
 
-    def round_time(self, name: str, batch: int, context: int) -> float:
-        """Candidate `name`'s round time in ms at (batch, context), bilinear between grid points, clamped."""
+    def _at(self, grids: Mapping[str, tuple[tuple[float, ...], ...]], name: str, batch: int, context: int) -> float:
+        """grids[name] at (batch, context), bilinear between grid points, clamped at the grid's ends."""
         i0, i1, wb = _segment(self.batches, batch)
         j0, j1, wc = _segment(self.contexts, context)
-        g = self.round_ms[name]
+        g = grids[name]
         near = (1 - wc) * g[i0][j0] + wc * g[i0][j1]
         far = (1 - wc) * g[i1][j0] + wc * g[i1][j1]
         return (1 - wb) * near + wb * far
 
-    def choose(self, batch: int, context: int, acceptance: Mapping[str, float]) -> Choice:
-        """The candidate with the highest expected rate batch x acceptance[name] / round_time (the first in table
+    def round_time(self, name: str, batch: int, context: int) -> float:
+        """Candidate `name`'s round time in ms at (batch, context), bilinear between grid points, clamped."""
+        return self._at(self.round_ms, name, batch, context)
+
+    def call_time(self, name: str, batch: int, context: int) -> float:
+        """Candidate `name`'s call time (a 1-token run) in ms at (batch, context), as `round_time` interpolates."""
+        return self._at(self.call_ms, name, batch, context)
+
+    def run_time(self, name: str, batch: int, context: int, max_new_tokens: int, tokens_per_round: float) -> float:
+        """Expected ms of a run of `max_new_tokens`: the call, then (max_new_tokens - 1) / tokens_per_round rounds
+        (the prefill emits the first token)."""
+        rounds = max(max_new_tokens - 1, 0) / tokens_per_round
+        return self.call_time(name, batch, context) + rounds * self.round_time(name, batch, context)
+
+    def choose(self, batch: int, context: int, max_new_tokens: int, acceptance: Mapping[str, float]) -> Choice:
+        """The candidate with the highest expected rate batch x max_new_tokens / `run_time` (the first in table
         order on a tie); `acceptance`: tokens per round by candidate name."""
-        rates = {n: batch * acceptance[n] / self.round_time(n, batch, context) * 1e3 for n in self.round_ms}
+        rates = {
+            n: batch * max_new_tokens / self.run_time(n, batch, context, max_new_tokens, acceptance[n]) * 1e3
+            for n in self.round_ms
+        }
         best = max(rates, key=rates.__getitem__)
         return Choice(Candidate.parse(best), batch, context, rates, FROM_TABLE)
 
@@ -171,9 +197,10 @@ class CostTable:
             )
 
     def to_json(self) -> dict[str, Any]:
-        head = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("round_ms", "source")}
-        del head["tokens_per_round"]
-        cands = {n: {"tokens_per_round": self.tokens_per_round[n], "round_ms": self.round_ms[n]} for n in self.round_ms}
+        per_candidate = ("round_ms", "call_ms", "tokens_per_round")
+        head = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in per_candidate}
+        del head["source"]
+        cands = {n: {k: getattr(self, k)[n] for k in per_candidate} for n in self.round_ms}
         return {"format": FORMAT, **head, "candidates": cands}
 
     def save(self, path: str | Path) -> None:
@@ -196,6 +223,7 @@ class CostTable:
                     "batches": tuple(raw["batches"]),
                     "contexts": tuple(raw["contexts"]),
                     "round_ms": {n: tuple(tuple(map(float, r)) for r in c["round_ms"]) for n, c in cands.items()},
+                    "call_ms": {n: tuple(tuple(map(float, r)) for r in c["call_ms"]) for n, c in cands.items()},
                     "tokens_per_round": {n: float(c["tokens_per_round"]) for n, c in cands.items()},
                     "source": str(p),
                 }
@@ -207,16 +235,29 @@ class CostTable:
 
 
 class Acceptance:
-    """The running mean of each candidate's tokens per round: the table's measurement counts as the first
-    observation, and each batch `observe`d adds one."""
+    """Tokens per round as `auto` expects them: the table's, with each drafting candidate's drafted part (the tokens
+    past the one every round commits) scaled by one factor for the content served so far, the drafted tokens the
+    observed rounds committed over what the table expected of those rounds. The table counts as `prior_rounds` rounds
+    at its own acceptance, so a factor moves as the served rounds outweigh the table's. One factor for all
+    candidates: whichever ran, its rounds say how hard the prompts are for every drafting candidate alike."""
 
-    def __init__(self, initial: Mapping[str, float]):
-        self._sum = dict(initial)
-        self._count = dict.fromkeys(initial, 1)
+    def __init__(self, tokens_per_round: Mapping[str, float], prior_rounds: int):
+        self._table = dict(tokens_per_round)
+        drafted = [t - 1 for t in self._table.values() if t > 1]
+        prior = prior_rounds * (sum(drafted) / len(drafted) if drafted else 0.0)
+        self._seen = self._expected = prior  # drafted tokens: committed past one per round / the table's for them
 
-    def observe(self, name: str, tokens_per_round: float) -> None:
-        self._sum[name] += tokens_per_round
-        self._count[name] += 1
+    def observe(self, name: str, committed: float, rounds: int) -> None:
+        """A batch that ran candidate `name` committed `committed` tokens in `rounds` rounds (summed over rows)."""
+        if self._table[name] > 1:
+            self._seen += committed - rounds
+            self._expected += (self._table[name] - 1) * rounds
+
+    @property
+    def factor(self) -> float:
+        """Drafted tokens committed so far over the table's expectation for them (1 before any batch)."""
+        return self._seen / self._expected if self._expected > 0 else 1.0
 
     def means(self) -> dict[str, float]:
-        return {n: s / self._count[n] for n, s in self._sum.items()}
+        f = self.factor
+        return {n: 1 + f * (t - 1) for n, t in self._table.items()}

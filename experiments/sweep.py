@@ -17,8 +17,9 @@ Results are rewritten after every (B, context) point to <out_dir>/sweep_<axis>.j
 --tag (a run beside the matrix, e.g. --tag=auto, leaves its records alone), then _float32 with --dtype=float32 (an
 exactness run never overwrites the bf16 matrix).
 
-`auto` (`Generator.generate(method="auto")`) runs beside the fixed methods at every cell: its row's `chosen` names
-the programs it picked (one per batch, from the untimed run) and `vs_best` its tokens/s over the best fixed method's
+`auto` (`Generator.generate(method="auto")`) runs beside the fixed methods at every cell: its row's `chosen` counts
+the programs it picked over the cell's calls, untimed and timed (`ddtree-8 x10,dflash x5`: a choice that moved with
+the acceptance observed), and `vs_best` its tokens/s over the best fixed method's
 in the cell. Its cost table is --calibration, else calibration.json beside --drafter (either serves every axis), else
 one table per axis over that axis's own cells (its concurrencies x contexts, its fixed methods as candidates):
 <calibration_dir>/<records' name>_calibration.json when that one was measured on this device, dtype and numerics over
@@ -30,6 +31,7 @@ max_new_tokens), so measuring a table compiles only their 1-token twins.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from pathlib import Path
@@ -206,8 +208,9 @@ def stored_table(gen, axis: str, groups: list[Group]) -> CostTable | None:
     grid; None otherwise (saying why when there is a table)."""
     if not FLAGS.calibration_dir or not (path := table_path(FLAGS.calibration_dir, axis)).is_file():
         return None
-    table, grid = CostTable.load(path), axis_grid(groups)
+    grid = axis_grid(groups)
     try:
+        table = CostTable.load(path)
         table.check(**gen.device_identity())
     except UserError as e:
         print(f"not using {e}")
@@ -229,6 +232,22 @@ def use_table(gen, given: CostTable | None, axis: str, groups: list[Group], base
     return gen.calibration.source or f"measured in this run ({table_path('', axis).name})"
 
 
+class ChoiceLog:
+    """A Generator whose `generate` also counts what each `method="auto"` call chose (warm-up and timed runs)."""
+
+    def __init__(self, gen):
+        self.gen, self.chosen = gen, collections.Counter()
+
+    def __getattr__(self, name: str):
+        return getattr(self.gen, name)
+
+    def generate(self, prompts, **kw):
+        res = self.gen.generate(prompts, **kw)
+        if res.auto is not None:
+            self.chosen[res.auto.candidate.name] += 1
+        return res
+
+
 def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) -> list[dict]:
     """All cells of one axis -> records (also written to <result_name(axis)>.json/.md after every cell)."""
     max_pos = gen.target_config.max_position_embeddings
@@ -237,16 +256,17 @@ def sweep_axis(gen, axis: str, groups: list[Group], config: dict, meta: dict) ->
     for conc, ctx, requested, batches, methods in groups:
         bar.set_description(f"sweep {axis} B={conc} ctx={ctx}")
         kws = [_gen_kwargs(m, bud) for m, bud in methods]
-        timed = common.time_interleaved(gen, batches, kws, FLAGS.repeats, bar)
+        log = ChoiceLog(gen)
+        timed = common.time_interleaved(log, batches, kws, FLAGS.repeats, bar)
         cells_ = [common.cell_stats(gen, firsts, medians) for firsts, medians in timed]
         ar_stats, ar_rows = cells_[0], cells_[0]["rows"]  # plan_axis puts ar first
         best_fixed = max(st["tokens_per_s"] for (m, _), st in zip(methods, cells_, strict=True) if m != "auto")
-        for (method, budget), stats, (firsts, _) in zip(methods, cells_, timed, strict=True):
+        for (method, budget), stats in zip(methods, cells_, strict=True):
             out_rows = stats.pop("rows")
             auto = {}
             if method == "auto":
-                chosen = dict.fromkeys(f.auto.candidate.name for f in firsts)
-                auto = {"chosen": ",".join(chosen), "vs_best": stats["tokens_per_s"] / best_fixed}
+                chosen = ",".join(f"{name} x{n}" for name, n in log.chosen.items())
+                auto = {"chosen": chosen, "vs_best": stats["tokens_per_s"] / best_fixed}
             same = [a == b for a, b in zip(ar_rows, out_rows, strict=True)]
             rec = {
                 "axis": axis,

@@ -33,11 +33,13 @@ def make_table(
     names: Sequence[str] = ("ar", "ddtree-4"),
     round_ms: dict[str, float] | None = None,
     tokens_per_round: dict[str, float] | None = None,
+    call_ms: dict[str, float] | None = None,
     **identity: str | int,
 ) -> CostTable:
-    """A one-point table of `names` (round times and acceptance default to 1 ms and 1 token), measured on this
-    machine's device kind, one device, float32 unless `identity` says otherwise."""
-    ms, tpr = round_ms or {}, tokens_per_round or {}
+    """A one-point table of `names` (round and call times and acceptance default to 1 ms, 1 ms and 1 token; the
+    acceptance measured over 10 rounds), measured on this machine's device kind, one device, float32 unless
+    `identity` says otherwise."""
+    ms, tpr, call = round_ms or {}, tokens_per_round or {}, call_ms or {}
     measured = {"device_kind": jax.devices()[0].device_kind, "device_count": 1, "dtype": "float32"} | identity
     return CostTable(
         **measured,
@@ -47,12 +49,15 @@ def make_table(
         batches=(1,),
         contexts=(64,),
         round_ms={n: ((ms.get(n, 1.0),),) for n in names},
+        call_ms={n: ((call.get(n, 1.0),),) for n in names},
         tokens_per_round={n: tpr.get(n, 1.0) for n in names},
+        acceptance_rounds=10,
     )
 
 
-TREE_WINS = make_table(round_ms={"ddtree-4": 1.5}, tokens_per_round={"ddtree-4": 3.0})  # 2 tokens per ms vs ar's 1
-AR_WINS = make_table(round_ms={"ddtree-4": 5.0}, tokens_per_round={"ddtree-4": 3.0})  # 0.6 tokens per ms
+N = 9  # tokens generated in the choices below: a 1 ms call, then 8 tokens in rounds
+TREE_WINS = make_table(round_ms={"ddtree-4": 1.5}, tokens_per_round={"ddtree-4": 3.0})  # 1 + 8/3 x 1.5 = 5 ms vs 9
+AR_WINS = make_table(round_ms={"ddtree-4": 5.0}, tokens_per_round={"ddtree-4": 3.0})  # 1 + 8/3 x 5 = 14.3 ms
 
 
 # ---- the table -----------------------------------------------------------------------------------------------
@@ -77,7 +82,9 @@ def test_table_round_trips_through_json(tmp_path: Path) -> None:
         batches=(1, 8),
         contexts=(64, 1024, 4096),
         round_ms={"ar": ((1.0, 1.1, 1.5), (1.2, 1.3, 2.0)), "ddtree-8": ((1.5, 1.7, 2.5), (2.5, 2.9, 4.0))},
+        call_ms={"ar": ((3.0, 9.0, 30.0), (4.0, 20.0, 80.0)), "ddtree-8": ((4.0, 11.0, 35.0), (5.0, 24.0, 90.0))},
         tokens_per_round={"ar": 1.0, "ddtree-8": 3.98},
+        acceptance_rounds=1200,
         settings={"max_new_tokens": 64, "repeats": 3},
     )
     table.save(tmp_path / "calibration.json")
@@ -94,6 +101,8 @@ def test_table_round_trips_through_json(tmp_path: Path) -> None:
         ('{"format": "other"}', "not a cost table"),
         (json.dumps(make_table().to_json() | {"batches": [8, 1]}), "batches must be increasing"),
         (json.dumps(make_table().to_json() | {"candidates": {}}), "at least one"),
+        (json.dumps(make_table().to_json() | {"format": "ddtree-cost-table/1"}), "want 'ddtree-cost-table/2'"),
+        (json.dumps(make_table().to_json() | {"acceptance_rounds": 0}), "acceptance_rounds must be an integer >= 1"),
     ],
 )
 def test_malformed_table_is_a_user_error_naming_the_file(tmp_path: Path, text: str, says: str) -> None:
@@ -106,40 +115,65 @@ def test_malformed_table_is_a_user_error_naming_the_file(tmp_path: Path, text: s
 
 def test_round_time_is_linear_in_batch_and_context_and_clamped() -> None:
     grid = ((1.0, 3.0), (5.0, 11.0))  # batches 1, 9 x contexts 100, 300
-    table = dataclasses.replace(make_table(("ar",)), batches=(1, 9), contexts=(100, 300), round_ms={"ar": grid})
+    table = dataclasses.replace(
+        make_table(("ar",)), batches=(1, 9), contexts=(100, 300), round_ms={"ar": grid}, call_ms={"ar": grid}
+    )
     assert table.round_time("ar", 1, 100) == 1.0 and table.round_time("ar", 9, 300) == 11.0
     assert table.round_time("ar", 1, 200) == 2.0  # halfway in context
     assert table.round_time("ar", 5, 100) == 3.0  # halfway in batch
     assert table.round_time("ar", 5, 200) == pytest.approx((2.0 + 8.0) / 2)
     assert table.round_time("ar", 64, 8192) == 11.0 and table.round_time("ar", 1, 1) == 1.0  # clamped at the ends
+    calls = dataclasses.replace(table, call_ms={"ar": tuple(tuple(2 * v for v in row) for row in grid)})
+    assert calls.call_time("ar", 5, 200) == pytest.approx(10.0) and calls.round_time("ar", 5, 200) == 5.0
 
 
 def test_the_choice_follows_the_table() -> None:
-    assert AR_WINS.choose(1, 64, AR_WINS.tokens_per_round).candidate == Candidate("ar")
-    choice = TREE_WINS.choose(1, 64, TREE_WINS.tokens_per_round)
+    assert AR_WINS.choose(1, 64, N, AR_WINS.tokens_per_round).candidate == Candidate("ar")
+    choice = TREE_WINS.choose(1, 64, N, TREE_WINS.tokens_per_round)
     assert choice.candidate == Candidate("ddtree", 4)
-    assert choice.expected_tokens_per_s == {"ar": 1000.0, "ddtree-4": 2000.0}
+    assert choice.expected_tokens_per_s == pytest.approx({"ar": 1000.0, "ddtree-4": 1800.0})  # 9 tokens / 9 vs 5 ms
     assert choice.to_dict()["chosen"] == "ddtree-4" and choice.to_dict()["reason"] == "cost table"
+    assert TREE_WINS.choose(4, 64, N, TREE_WINS.tokens_per_round).expected_tokens_per_s["ar"] == pytest.approx(4000.0)
+
+
+def test_the_call_time_counts_more_the_fewer_tokens_a_run_makes() -> None:
+    """A program whose rounds are cheaper per token but whose call costs more (a drafter's prefill) wins only when
+    the run is long enough to pay that back."""
+    table = make_table(round_ms={"ddtree-4": 1.5}, tokens_per_round={"ddtree-4": 3.0}, call_ms={"ddtree-4": 20.0})
+    assert table.choose(1, 64, N, table.tokens_per_round).candidate.name == "ar"  # 1 + 8 = 9 ms vs 20 + 4 = 24
+    assert table.run_time("ddtree-4", 1, 64, 1001, 3.0) == pytest.approx(520.0)
+    assert table.choose(1, 64, 1001, table.tokens_per_round).candidate.name == "ddtree-4"  # 520 ms vs 1001
+
+
+def test_acceptance_scales_every_drafting_candidate_by_what_was_observed() -> None:
+    acceptance = Acceptance({"ar": 1.0, "ddtree-4": 3.0, "dflash": 2.0}, prior_rounds=10)  # worth 10 x 1.5 drafted
+    assert acceptance.factor == 1.0 and acceptance.means() == {"ar": 1.0, "ddtree-4": 3.0, "dflash": 2.0}
+    acceptance.observe("ar", 5.0, 5)  # ar drafts nothing: no news of the content
+    acceptance.observe("ddtree-4", 10.0, 10)  # 10 rounds, none accepting a draft: 0 drafted of 20 expected
+    assert acceptance.factor == pytest.approx(15 / 35)
+    assert acceptance.means() == pytest.approx({"ar": 1.0, "ddtree-4": 1 + 2 * 15 / 35, "dflash": 1 + 15 / 35})
+    acceptance.observe("dflash", 300.0, 100)  # 200 drafted where the table expects 100
+    assert acceptance.factor == pytest.approx((15 + 200) / (35 + 100))
 
 
 def test_measured_acceptance_moves_the_choice() -> None:
-    acceptance = Acceptance(TREE_WINS.tokens_per_round)
-    assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ddtree-4"
-    acceptance.observe("ddtree-4", 1.0)  # mean (3 + 1) / 2 = 2 tokens per 1.5 ms: still ahead of ar
+    acceptance = Acceptance(TREE_WINS.tokens_per_round, TREE_WINS.acceptance_rounds)  # worth 10 rounds x 2 drafted
+    assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ddtree-4"
+    acceptance.observe("ddtree-4", 10.0, 10)  # factor 20 / 40: 2 tokens per round, 1 + 4 x 1.5 = 7 ms
     assert acceptance.means()["ddtree-4"] == 2.0
-    assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ddtree-4"
-    acceptance.observe("ddtree-4", 1.0)  # (3 + 1 + 1) / 3 = 1.67 tokens per 1.5 ms; ar: 1 per 1 ms
-    assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ddtree-4"
-    acceptance.observe("ddtree-4", 1.0)  # 1.5 per 1.5 ms: a tie goes to the first candidate, ar
-    assert TREE_WINS.choose(1, 64, acceptance.means()).candidate.name == "ar"
+    assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ddtree-4"
+    acceptance.observe("ddtree-4", 10.0, 10)  # 20 / 60: 1.67 tokens per round, 8.2 ms vs ar's 9
+    assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ddtree-4"
+    acceptance.observe("ddtree-4", 10.0, 10)  # 20 / 80: 1.5 per round, 9 ms: a tie goes to the first candidate, ar
+    assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ar"
 
 
 FakeSpec = collections.namedtuple("FakeSpec", "kernels key")  # hashable, as a GenSpec is
 
 
 class TimedGenerator:
-    """A Generator whose runs take fixed walls: a 1-token run 1 ms, a full run 13 ms, with row 0 taking 4 rounds and
-    row 1 8 (ar: every round commits one token)."""
+    """A Generator whose runs take fixed walls: a 1-token run 1 ms, a full run 13 ms, in which row 0 takes 4 rounds
+    and row 1 8 for the tokens past the prefill's (ar: every round commits one token)."""
 
     drafter = object()
 
@@ -153,15 +187,15 @@ class TimedGenerator:
         return 0.0
 
     def generate(self, rows, *, method: str, max_new_tokens: int, **kw):
-        rounds = [4, 8] if method != "ar" else [max_new_tokens] * 2
-        stats = [{"rounds": r, "tokens_per_round": max_new_tokens / r} for r in rounds]
+        rounds = [4, 8] if method != "ar" else [max_new_tokens - 1] * 2
+        stats = [{"rounds": r, "tokens_per_round": (max_new_tokens - 1) / r} for r in rounds]
         wall = 0.001 if max_new_tokens == 1 else 0.013
         return types.SimpleNamespace(stats=stats[: len(rows)], wall_s=wall, batch_rounds=max(rounds))
 
 
 def test_round_time_is_per_round_of_the_mean_row() -> None:
     """A batch waits for its slowest row: 12 ms over rows of 4 and 8 rounds is 2 ms per round of the mean row (not
-    12 / 8), so that batch x tokens per round / round time is the batch's real rate."""
+    12 / 8), so that the call plus the mean row's rounds is the batch's real time."""
     table = measure(
         TimedGenerator(),
         [[1, 2, 3]],
@@ -174,9 +208,37 @@ def test_round_time_is_per_round_of_the_mean_row() -> None:
         target="t",
         drafter="d",
     )
-    assert table.round_time("ddtree-8", 2, 3) == pytest.approx(2.0)
-    rate = table.choose(2, 3, table.tokens_per_round).expected_tokens_per_s["ddtree-8"]
-    assert rate == pytest.approx(2 * 16 / 0.012)  # 2 rows x 16 tokens in the 12 ms the rounds took
+    assert table.round_time("ddtree-8", 2, 3) == pytest.approx(2.0) and table.call_time("ddtree-8", 2, 3) == 1.0
+    assert table.tokens_per_round["ddtree-8"] == pytest.approx(30 / 12) and table.acceptance_rounds == 12
+    rate = table.choose(2, 3, 16, table.tokens_per_round).expected_tokens_per_s["ddtree-8"]
+    assert rate == pytest.approx(2 * 16 / 0.013)  # 2 rows x 16 tokens in the 13 ms the run took
+
+
+class RowsGenerator(TimedGenerator):
+    """TimedGenerator whose rows' acceptance is their first token (tokens per round), recording the full runs."""
+
+    def __init__(self):
+        self.full_runs = []
+
+    def generate(self, rows, *, method: str, max_new_tokens: int, **kw):
+        res = super().generate(rows, method=method, max_new_tokens=max_new_tokens, **kw)
+        if max_new_tokens > 1:
+            self.full_runs.append([r[0] for r in rows])
+            res.stats = [{"rounds": 10, "tokens_per_round": float(r[0])} for r in rows]
+        return res
+
+
+def test_acceptance_is_measured_over_more_rows_than_a_small_batch() -> None:
+    """At batch 1, the untimed runs that measure acceptance take one row per prompt (up to ACCEPTANCE_ROWS); the
+    timed runs stay on the first row."""
+    gen, prompts = RowsGenerator(), [[t] * 4 for t in (2, 3, 4, 5, 6)]
+    kw = {"contexts": [4], "max_new_tokens": 8, "compile_workers": 1, "target": "t", "drafter": "d"}
+    table = measure(gen, prompts, candidates=[Candidate("dflash")], batches=[1], repeats=2, **kw)
+    assert gen.full_runs == [[2], [3], [4], [5], [6], [2], [2]]  # 5 untimed rows, then 2 timed runs of row 0
+    assert table.tokens_per_round["dflash"] == pytest.approx(4.0) and table.acceptance_rounds == 50
+    gen = RowsGenerator()
+    measure(gen, prompts, candidates=[Candidate("dflash")], batches=[2], repeats=1, **kw)
+    assert gen.full_runs == [[2, 3], [4, 5], [6, 2], [2, 3]]  # 3 batches of 2 cover the 5 prompts, then row 0's
 
 
 def test_a_table_from_another_device_dtype_or_exact_setting_is_refused() -> None:
@@ -217,12 +279,14 @@ def test_auto_is_lossless_and_reports_its_choice(gen: api.Generator) -> None:
         2,
         4,
     )
-    observed = sum(s["tokens_per_round"] * s["rounds"] for s in res.stats) / sum(s["rounds"] for s in res.stats)
-    assert gen.acceptance.means()["ddtree-4"] == pytest.approx((3.0 + observed) / 2)  # the batch joined the mean
+    committed = sum(s["tokens_per_round"] * s["rounds"] for s in res.stats)
+    rounds = sum(s["rounds"] for s in res.stats)
+    factor = (10 * 2 + committed - rounds) / (10 * 2 + 2 * rounds)  # the table's 10 rounds, then the batch's
+    assert gen.acceptance.means()["ddtree-4"] == pytest.approx(1 + 2 * factor)
     gen.use_calibration(AR_WINS)
     res = gen.generate(PROMPTS, method="auto", **KW)
     assert (res.method, res.budget, res.tokens) == ("ar", None, ar.tokens)
-    assert gen.acceptance.means() == {"ar": 1.0, "ddtree-4": 3.0}  # ar's acceptance is 1 whatever it observes
+    assert gen.acceptance.means() == {"ar": 1.0, "ddtree-4": 3.0}  # ar's runs say nothing of the drafts
 
 
 def test_auto_refusals(gen: api.Generator, pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -362,7 +426,7 @@ def test_calibrate_writes_a_table_beside_the_drafter(pair: tuple[Path, Path], tm
     assert (table.batches, table.contexts) == ((2,), (2048 - 4 - 3,))  # lowered to the position limit
     assert table.dtype == "float32" and table.device_count == 1 and table.tokens_per_round["ar"] == 1.0
     assert table.tokens_per_round["ddtree-2"] >= 1 and table.settings["prompts"] == str(prompts)
-    assert "auto's choice at the measured acceptance" in proc.stdout
+    assert "auto's choice for 4 new tokens at the measured acceptance" in proc.stdout
     again = calibrate(pair[0], drafter, prompts, *grid)  # refused before anything is loaded
     assert again.returncode == 2 and again.stderr.strip().endswith("exists: pass --overwrite to replace it")
 
