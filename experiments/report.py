@@ -234,21 +234,58 @@ def bench_round_section(p: dict) -> list[str]:
     return out
 
 
-def auto_section(sweeps: list[dict]) -> list[str]:
-    """`auto` in every sweep cell: what it chose, its speedup over AR and its rate against the best fixed method."""
-    auto = [r for p in sweeps for r in p["records"] if r["method"] == "auto"]
+def tagged_sweeps(d: Path, tag: str) -> list[dict]:
+    """The sweep records files whose name carries `tag` (sweep_<axis>_<tag>...), by name."""
+    return [json.loads(p.read_text()) for p in sorted(d.glob(f"sweep_*_{tag}*.json")) if "_calibration" not in p.stem]
+
+
+def auto_section(sweeps: list[dict], d: Path) -> list[str]:
+    """`auto` in every sweep cell (the matrix's and the sweep_<axis>_auto runs'): what it chose over the cell's calls,
+    its speedup over AR and its rate against the best fixed method."""
+    auto = [r for p in [*sweeps, *tagged_sweeps(d, "auto")] for r in p["records"] if r["method"] == "auto"]
     if not auto:
         return []
     slower = [r for r in auto if r["speedup"] < 1]
     off = [r for r in auto if r["vs_best"] < 0.95]
-    cols = ["axis", "concurrency", "context", "chosen", "tokens_per_round", "speedup", "vs_best", "correct"]
+    cols = ["axis", "concurrency", "context", "repeats", "chosen", "tokens_per_round", "speedup", "vs_best", "correct"]
     return [
         "## auto: the program chosen per batch from the cost table",
         f"`auto` is at least AR's rate in {len(auto) - len(slower)} of {len(auto)} cells (lowest "
-        f"{min(r['speedup'] for r in auto):.2f}x) and within 5% of the best fixed method in {len(auto) - len(off)} "
-        f"(lowest {min(r['vs_best'] for r in auto):.2f} of it). `vs_best`: auto's tok/s / the best fixed method's.",
+        f"{min(r['speedup'] for r in auto):.3f}x) and within 5% of the best fixed method in {len(auto) - len(off)} "
+        f"(lowest {min(r['vs_best'] for r in auto):.3f} of it). `vs_best`: auto's tok/s / the best fixed method's; "
+        "`chosen`: the programs it ran over the cell's calls. Where it chose `ar` it ran AR's own program, so its "
+        "distance from 1.0x there is the timing noise of one program measured twice.",
         common.markdown_table(auto, cols),
     ]
+
+
+def exact_section(d: Path) -> list[str]:
+    """The exact numerics (`--exact`): the sweeps run with the switch on (every cell should be `correct`), and
+    `exact_check`'s cost at batch 1 (tokens/s on over off, same run)."""
+    runs = tagged_sweeps(d, "exact")
+    recs = [r for p in runs for r in p["records"]]
+    check = load(d, "exact_check")
+    if not recs and not check:
+        return []
+    out = ["## Exact numerics (`--exact`): speculative output bit-identical to AR"]
+    if recs:
+        good = sum(r["correct"] for r in recs)
+        out += [
+            f"Sweeps with the switch on ({', '.join(meta_line(p) for p in runs[:1])}): {good} of {len(recs)} cells "
+            "give every row AR's tokens.",
+            common.markdown_table(
+                recs, ["axis", "method", "budget", "concurrency", "context", "tokens_per_s", "speedup", "correct"]
+            ),
+        ]
+    if check:
+        on = [r for r in check["records"] if r["exact"] == "on"]
+        one = [r for r in on if r["batch"] == 1]
+        out.append(
+            f"`exact_check` ({meta_line(check)}): {sum(r['rows_differ'] == 0 for r in on)} of {len(on)} cells with "
+            f"no row differing from batch-1 AR; cost at batch 1, tokens/s on over off: "
+            + ", ".join(f"{r['method']} b{r['budget']} ctx {r['context']} {r['vs_off']:.2f}" for r in one)
+        )
+    return out
 
 
 def losses_section(sweeps: list[dict], bench: dict | None, window: int) -> list[str]:
@@ -499,7 +536,8 @@ def build(d: Path) -> Path:
     from ddtree_jax.api import trained_context
 
     window = trained_context(SHIPPED_TARGET) or 0  # the shipped target's training window (its manifest)
-    parts += auto_section([p for p in sweeps.values() if p])
+    parts += auto_section([p for p in sweeps.values() if p], d)
+    parts += exact_section(d)
     parts += losses_section([p for p in sweeps.values() if p], bench, window)
     parts += correctness_section([p for p in sweeps.values() if p], d, window)
     parts += kernel_section(d)

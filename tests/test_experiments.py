@@ -127,6 +127,24 @@ def test_sweep_reports_auto(tiny_pair, tmp_path):
     assert "## auto: the program chosen per batch" in (tmp_path / "REPORT.md").read_text()
 
 
+def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
+    """The report's auto section takes auto rows from sweep_<axis>_auto* records too, and its exact section the
+    sweep_<axis>_exact* records (their `correct` counted) and exact_check's batch-1 cost."""
+    meta = {"device": "H100", "backend": "gpu", "jax_version": "0.11.2", "commit": "abc", "date": "2026-12-06"}
+    cell = {"axis": "concurrency", "concurrency": 64, "context": 60, "repeats": 7, "tokens_per_round": 4.6}
+    cell |= {"tokens_per_s": 1.0, "correct": True, "budget": 7}
+    auto = [cell | {"method": "auto", "chosen": "dflash x8", "speedup": 1.05, "vs_best": 1.0}]
+    exact = [cell | {"method": m, "speedup": 1.0, "correct": m == "ar"} for m in ("ar", "dflash")]
+    check = [{"exact": "on", "batch": 1, "method": "ar", "budget": 1, "context": 60, "rows_differ": 0, "vs_off": 0.92}]
+    for name, recs in (("sweep_concurrency_auto_repeat", auto), ("sweep_budget_exact", exact), ("exact_check", check)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": meta, "records": recs}))
+    (tmp_path / "sweep_concurrency_auto_calibration.json").write_text("{}")  # a table, not records: skipped
+    run("report", f"--results_dir={tmp_path}")
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "at least AR's rate in 1 of 1 cells" in report and "| dflash x8 |" in report
+    assert "1 of 2 cells give every row AR's tokens" in report and "ar b1 ctx 60 0.92" in report
+
+
 def test_sweep_auto_tables_per_axis(tiny_pair, tmp_path):
     """--calibrate_only writes one table per axis and no records; a later sweep takes a --calibration_dir table that
     fits its axis and measures the one missing, its records named by --tag (run_gpu_matrix's calibrate and auto)."""
