@@ -28,7 +28,6 @@ from ddtree_jax.config import load_dflash_config
 from ddtree_jax.errors import run_app
 from ddtree_jax.models.dflash import DFlashDrafter, DrafterCache
 from experiments import common
-from pallas_kernels import drafter_attention
 from pallas_kernels.dispatch import Kernels
 
 FLAGS = flags.FLAGS
@@ -39,12 +38,7 @@ flags.DEFINE_list("allocations", ["2048", "8192"], "drafter cache slots allocate
 flags.DEFINE_integer("context", 60, "valid context slots per row")
 flags.DEFINE_integer("steps", 20, "forwards per timing")
 flags.DEFINE_integer("repeats", 5, "timings (median)")
-flags.DEFINE_enum(
-    "projections",
-    "auto",
-    ["auto", "xla"],
-    "the Pallas block's Q/K/V projections: as the kernel decides (in the kernel up to PROJECT_MAX_BYTES), or in XLA",
-)
+common.define_projections_flag()
 flags.DEFINE_bool("tiny", False, "toy dimensions (CPU smoke test of this script)")
 flags.DEFINE_string("name", "bench_drafter", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
@@ -81,8 +75,7 @@ def time_forward(drafter: DFlashDrafter, mode: str, batch: int, allocation: int)
 
 
 def main(_) -> None:
-    if FLAGS.projections == "xla":  # an experiment's setting, not a product knob: every program projects in XLA
-        drafter_attention.PROJECT_MAX_BYTES = 0
+    common.use_projections(FLAGS.projections)
     cfg = drafter_config()
     drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     records, first = [], {}

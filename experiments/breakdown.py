@@ -39,6 +39,7 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per row (stop toke
 flags.DEFINE_integer("repeats", 5, "timed runs per program (median)")
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling the programs up front")
 flags.DEFINE_bool("exact", None, "the target's exact (batch- and tree-invariant) numerics; default: the product's")
+common.define_projections_flag()
 flags.DEFINE_string("name", "breakdown", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
@@ -69,6 +70,7 @@ def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, in
 def main(_) -> None:
     from ddtree_jax.api import Generator
 
+    common.use_projections(FLAGS.projections)
     gen = Generator.load(FLAGS.target, FLAGS.drafter, exact=FLAGS.exact)
     base, source = workload.load_prompts(gen, FLAGS.prompts, FLAGS.concurrency)
     prompts = at_length(base, FLAGS.context, FLAGS.concurrency)
@@ -102,6 +104,7 @@ def main(_) -> None:
             "concurrency": FLAGS.concurrency,
             "context": FLAGS.context,
             "exact": gen.exact,
+            "projections": FLAGS.projections,
             "rounds": iterations,
             "tokens_per_round": committed / sum(st["rounds"] for st in first.stats),
             "round_ms": round_s * 1e3,

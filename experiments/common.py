@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import flags
 from tqdm import tqdm
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -160,3 +161,23 @@ def write_results(
     head = ", ".join(f"{k}: {v}" for k, v in meta.items())
     (out / f"{name}.md").write_text(f"# {name}\n\n{head}\n\n{markdown_table(records, columns)}\n")
     return json_path
+
+
+def define_projections_flag() -> None:
+    """--projections: where the drafter's Pallas attention block computes its Q/K/V projections (an experiment's
+    setting, not a product knob; `use_projections` applies it)."""
+    flags.DEFINE_enum(
+        "projections",
+        "auto",
+        ["auto", "xla"],
+        "the Pallas drafter block's Q/K/V projections: as the kernel decides (in the kernel up to "
+        "PROJECT_MAX_BYTES), or in XLA whatever their size",
+    )
+
+
+def use_projections(setting: str) -> None:
+    """Apply --projections before any program is traced: "xla" makes every drafter block project in XLA."""
+    from pallas_kernels import drafter_attention
+
+    if setting == "xla":
+        drafter_attention.PROJECT_MAX_BYTES = 0

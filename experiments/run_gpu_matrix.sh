@@ -19,7 +19,8 @@
 #   and (STAGES=layer_profile) one dense + one MoE Kimi K2.6 layer at full size, single GPU and one rank of 8: an AR
 #   step and DDTree b8/b16 rounds at B 1 and 8 timed in loops that carry the whole state, device time, kernels and
 #   bytes per piece of each layer against a copy rate timed in the same run (layer_profile; issue 32)
-#   and (STAGES=drafter) breakdown at 32 rows with and without the drafter attention kernel, (STAGES=drafter_bench)
+#   and (STAGES=drafter) breakdown at 32 rows with and without the drafter attention kernel and with the kernel's
+#   projections in XLA, (STAGES=drafter_bench)
 #   the drafter's forward alone, bench_drafter: the K2.5 drafter at 2K and 8K allocations, the shipped pair's at 32
 #   rows with the block's projections in the kernel and in XLA (issue 37; about 3 + 4 min)
 #   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 4 min)
@@ -122,6 +123,8 @@ want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_
   --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --noexact --name=breakdown_c32_drafter_reference
 want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
   --budgets=8 --concurrency=32 --noexact --name=breakdown_c32
+want drafter && stage breakdown_c32_xla 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
+  --budgets=8 --concurrency=32 --noexact --projections=xla --name=breakdown_c32_xla_projections
 # Exact numerics (issue 34): layer by layer, decode steps vs block / tree / batch, with and without; then the same
 # ragged requests at batch 1/8/32 as every method, compared with batch-1 ar, and tokens/s on vs off.
 want exact_check && stage exact_probe 70 "$PY" -m experiments.exact_probe --out_dir="$RES"
