@@ -7,6 +7,7 @@ expert=2,tensor=4 / data=2,expert=4 (batch split), tiny config in f32 against th
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -24,33 +25,54 @@ MESHES = ["expert=8,tensor=1", "expert=4,tensor=2", "expert=2,tensor=4", "data=2
 TESTS = Path(__file__).resolve().parent
 
 
-def _finish(proc: subprocess.Popen) -> str:
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-4000:]
+def _finish(proc: subprocess.Popen, name: str, out: Path) -> None:
+    """Wait for `proc`; its stdout to out/<name>.out, or on failure its stderr's tail to out/<name>.err."""
+    stdout, stderr = proc.communicate(timeout=600)
+    if proc.returncode == 0:
+        (out / f"{name}.out").write_text(stdout)
+    else:
+        (out / f"{name}.err").write_text(f"exit {proc.returncode}: {stderr[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """The module's two subprocesses (the 8-device checks and the bench_rank smoke run), run together once per test
+    session: under pytest-xdist the first worker to take the lock runs them into the session's shared temporary
+    directory and the others wait for it and read the same files. -> that directory."""
+    base = tmp_path_factory.getbasetemp()  # a worker's is <the session's>/popen-gw<i>
+    out = (base.parent if hasattr(request.config, "workerinput") else base) / "sharded_runs"
+    out.mkdir(exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".done").exists():
+            env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+            script = [sys.executable, str(TESTS / "sharded_checks.py"), *MESHES, str(out)]
+            checks = subprocess.Popen(script, env=env, **pipes)
+            cmd = [sys.executable, "-m", "experiments.bench_rank", "--tiny", "--prompt_len=8", "--budgets=4"]
+            cmd += ["--warmup=2", "--steps=1", f"--out_dir={out}"]
+            bench = subprocess.Popen(cmd, cwd=TESTS.parent, **pipes)
+            try:
+                _finish(checks, "checks", out)
+                _finish(bench, "bench", out)
+            finally:
+                for proc in (checks, bench):
+                    if proc.poll() is None:
+                        proc.kill()
+            (out / ".done").touch()
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Both subprocesses of this module (the 8-device checks and the bench_rank smoke run), started together."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = tmp_path_factory.mktemp("sharded")
-    bench = tmp_path_factory.mktemp("bench")
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    script = [sys.executable, str(TESTS / "sharded_checks.py"), *MESHES, str(out)]
-    checks = subprocess.Popen(script, env=env, **pipes)
-    cmd = [sys.executable, "-m", "experiments.bench_rank", "--tiny", "--prompt_len=8", "--budgets=4"]
-    cmd += ["--warmup=2", "--steps=1", f"--out_dir={bench}"]
-    bench_proc = subprocess.Popen(cmd, cwd=TESTS.parent, **pipes)
-    yield {"checks": checks, "bench": (bench_proc, bench)}
-    for proc in (checks, bench_proc):
-        if proc.poll() is None:
-            proc.kill()
+def _output(out: Path, name: str) -> str:
+    """A subprocess's stdout, or the test fails with its error."""
+    err = out / f"{name}.err"
+    assert not err.exists(), err.read_text()
+    return (out / f"{name}.out").read_text()
 
 
 @pytest.fixture(scope="module")
-def sharded(runs) -> dict:
-    return json.loads(_finish(runs["checks"]).strip().splitlines()[-1])
+def sharded(runs: Path) -> dict:
+    return json.loads(_output(runs, "checks").strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -155,9 +177,8 @@ def test_cli_rejects_bad_mesh_before_loading(tmp_path):
 
 
 def test_bench_rank_tiny(runs):
-    proc, out_dir = runs["bench"]
-    _finish(proc)
-    result = json.loads((out_dir / "bench_rank_tiny.json").read_text())
+    _output(runs, "bench")
+    result = json.loads((runs / "bench_rank_tiny.json").read_text())
     ar, tree = result["records"]
     assert (ar["method"], ar["T"], tree["method"], tree["T"]) == ("ar", 1, "ddtree", 5)
     assert result["layout"]["experts_per_rank"] == 2 and result["layout"]["heads_per_rank"] == 1
