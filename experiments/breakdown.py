@@ -40,6 +40,9 @@ flags.DEFINE_integer("repeats", 5, "timed runs per program (median)")
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling the programs up front")
 flags.DEFINE_bool("exact", None, "the target's exact (batch- and tree-invariant) numerics; default: the product's")
 common.define_projections_flag()
+flags.DEFINE_integer(
+    "exact_segment", 0, "absolute positions per segment of the exact MLA kernel (mla_exact.SEGMENT; 0: the kernel's)"
+)
 flags.DEFINE_string("name", "breakdown", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
@@ -71,6 +74,10 @@ def main(_) -> None:
     from ddtree_jax.api import Generator
 
     common.use_projections(FLAGS.projections)
+    if FLAGS.exact_segment:  # an experiment's setting, read when the programs are traced
+        from pallas_kernels import mla_exact
+
+        mla_exact.SEGMENT = FLAGS.exact_segment
     gen = Generator.load(FLAGS.target, FLAGS.drafter, exact=FLAGS.exact)
     base, source = workload.load_prompts(gen, FLAGS.prompts, FLAGS.concurrency)
     prompts = at_length(base, FLAGS.context, FLAGS.concurrency)
@@ -105,6 +112,7 @@ def main(_) -> None:
             "context": FLAGS.context,
             "exact": gen.exact,
             "projections": FLAGS.projections,
+            "exact_segment": FLAGS.exact_segment or None,
             "rounds": iterations,
             "tokens_per_round": committed / sum(st["rounds"] for st in first.stats),
             "round_ms": round_s * 1e3,

@@ -24,6 +24,8 @@
 #   the drafter's forward alone, bench_drafter: the K2.5 drafter at 2K and 8K allocations, the shipped pair's at 32
 #   rows with the block's projections in the kernel and in XLA (issue 37; about 3 + 4 min)
 #   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 4 min)
+#   and (STAGES=exact_segments) breakdown with the exact numerics at context 1024, batch 1 and 32, for exact MLA
+#   segments of 64, 128 and 256 positions (issue 34; about 5 min)
 #   and (STAGES=exact_check) the exact numerics: exact_probe, exact_check (issue 34; about 9 min; exact_probe_off:
 #   the probe without them)
 #   and (STAGES=auto) method=auto beside the fixed methods on the concurrency axis (batch 1-128, context 60) and the
@@ -133,6 +135,14 @@ want exact_cost && stage breakdown_exact 150 "$PY" -m experiments.breakdown --ou
   --budgets=16 --context=1024 --exact --name=breakdown_exact_ctx1024
 want exact_cost && stage breakdown_fast 120 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,ddtree \
   --budgets=16 --context=1024 --noexact --name=breakdown_noexact_ctx1024
+# The exact MLA kernel's segment length (fixed for every call; 256 today) at batch 1 and 32, context 1024.
+for seg in 64 128 256; do
+  want exact_segments && stage "breakdown_exact_seg$seg" 90 "$PY" -m experiments.breakdown --out_dir="$RES" \
+    --methods=ar,dflash,ddtree --budgets=16 --context=1024 --exact --exact_segment=$seg --name=breakdown_exact_seg$seg
+  want exact_segments && stage "breakdown_exact_seg${seg}_c32" 90 "$PY" -m experiments.breakdown --out_dir="$RES" \
+    --methods=ar,ddtree --budgets=16 --context=1024 --concurrency=32 --exact --exact_segment=$seg \
+    --name=breakdown_exact_seg${seg}_c32
+done
 want exact_probe_off && stage exact_probe_off 50 "$PY" -m experiments.exact_probe --out_dir="$RES" --noexact
 # shellcheck disable=SC2086  # EXACT_CHECK_ARGS / AUTO_ARGS: extra flags, word-split on purpose
 want exact_check && stage exact_check "$EXACT_CHECK_S" "$PY" -m experiments.exact_check --out_dir="$RES" \
