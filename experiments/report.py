@@ -64,6 +64,12 @@ def meta_line(payload: dict) -> str:
     return f"_{m['device']} ({m['backend']}), jax {m['jax_version']}, commit {m['commit'][:10]}, {m['date']}_"
 
 
+def run_label(payload: dict) -> str:
+    """A records file's commit and UTC minute, e.g. "c69b2aa 2026-12-06T08:44"."""
+    m = payload["meta"]
+    return f"{m['commit'][:7]} {m['date'][:16]}"
+
+
 def save(fig, d: Path, name: str) -> str:
     (d / "plots").mkdir(exist_ok=True)
     fig.tight_layout()
@@ -288,8 +294,9 @@ def exact_section(d: Path) -> list[str]:
     return out
 
 
-def losses_section(sweeps: list[dict], bench: dict | None, window: int) -> list[str]:
-    """Where DDTree loses, computed from the data, with the reason (window: the shipped target's training length).
+def losses_section(sweeps: list[dict], bench: dict | None, window: int, latest: list[dict]) -> list[str]:
+    """Where DDTree loses, computed from the data, with the reason (window: the shipped target's training length;
+    latest: the sweep_<axis>_auto* runs, whose fixed programs at 32 rows and up are shown as measured there).
 
     speedup = tokens per round / (round time in AR steps), so a cell loses exactly when a round costs more AR
     steps than it commits tokens; `round_cost_in_ar_steps` = tokens_per_round / speedup shows which side moved.
@@ -363,6 +370,19 @@ def losses_section(sweeps: list[dict], bench: dict | None, window: int) -> list[
     if conc:
         out.append("DDTree across concurrency: a round's cost in AR steps against the tokens it commits:")
         out.append(common.markdown_table(conc, cols))
+    big = [
+        r | {"round_cost_in_ar_steps": r["tokens_per_round"] / r["speedup"], "run": run_label(p)}
+        for p in latest
+        for r in p["records"]
+        if r["method"] in ("dflash", "ddtree") and r["concurrency"] >= 32
+    ]
+    if big:
+        out.append(
+            "The chain and DDTree at 32 rows and more in the latest `auto` runs (the same cells, the same process as "
+            "`ar`): each loses where a round costs more AR steps than the tokens it commits."
+        )
+        cols_big = ["method", "budget", "concurrency", "context", "tokens_per_round", "round_cost_in_ar_steps"]
+        out.append(common.markdown_table(big, [*cols_big, "speedup", "run"]))
     if bench:
         proj = [r for r in bench["records"] if r.get("kind") == "projection"]
         bad = [r for r in proj if r["proj_speedup"] < 1]
@@ -538,7 +558,7 @@ def build(d: Path) -> Path:
     window = trained_context(SHIPPED_TARGET) or 0  # the shipped target's training window (its manifest)
     parts += auto_section([p for p in sweeps.values() if p], d)
     parts += exact_section(d)
-    parts += losses_section([p for p in sweeps.values() if p], bench, window)
+    parts += losses_section([p for p in sweeps.values() if p], bench, window, tagged_sweeps(d, "auto"))
     parts += correctness_section([p for p in sweeps.values() if p], d, window)
     parts += kernel_section(d)
     parts += [

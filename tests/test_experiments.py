@@ -134,6 +134,7 @@ def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
     cell = {"axis": "concurrency", "concurrency": 64, "context": 60, "repeats": 7, "tokens_per_round": 4.6}
     cell |= {"tokens_per_s": 1.0, "correct": True, "budget": 7}
     auto = [cell | {"method": "auto", "chosen": "dflash x8", "speedup": 1.05, "vs_best": 1.0}]
+    auto += [cell | {"method": "ddtree", "budget": 8, "speedup": 0.92}]  # 4.6 tokens for 5 AR steps
     exact = [cell | {"method": m, "speedup": 1.0, "correct": m == "ar"} for m in ("ar", "dflash")]
     check = [{"exact": "on", "batch": 1, "method": "ar", "budget": 1, "context": 60, "rows_differ": 0, "vs_off": 0.92}]
     for name, recs in (("sweep_concurrency_auto_repeat", auto), ("sweep_budget_exact", exact), ("exact_check", check)):
@@ -142,6 +143,7 @@ def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
     run("report", f"--results_dir={tmp_path}")
     report = (tmp_path / "REPORT.md").read_text()
     assert "at least AR's rate in 1 of 1 cells" in report and "| dflash x8 |" in report
+    assert "| ddtree | 8 | 64 | 60 | 4.6 | 5 | 0.92 | abc 2026-12-06 |" in report  # the fixed rows at 32+ rows
     assert "1 of 2 cells give every row AR's tokens" in report and "ar b1 ctx 60 0.92" in report
 
 
