@@ -51,7 +51,7 @@ def test_sweep_all_axes_then_report(tiny_pair, tmp_path):
         "--axis_budgets=4",
         "--concurrency=1",  # B=1 and context 60 reuse the budget axis' compiled programs
         "--contexts=60,3000",
-        "--methods=ar,dflash,ddtree",  # auto: test_sweep_reports_auto
+        "--methods=ar,dflash,ddtree",  # auto: test_sweep_auto_tables_per_axis
         "--num_prompts=2",
         "--repeats=1",
         "--max_new_tokens=8",
@@ -99,34 +99,6 @@ def test_sweep_all_axes_then_report(tiny_pair, tmp_path):
     assert "bench_round" in report.split("Not present")[-1]  # missing inputs are listed
 
 
-def test_sweep_reports_auto(tiny_pair, tmp_path):
-    """With no cost table beside the drafter the sweep measures one over its own grid first, then runs auto beside
-    the fixed methods in every cell: its row counts the programs it chose over the cell's calls (1 untimed, 1 timed)
-    and gives its rate against the best fixed one."""
-    target, drafter = tiny_pair
-    run(
-        "sweep",
-        "--axis=budget",
-        f"--target={target}",
-        f"--drafter={drafter}",
-        "--budgets=4",
-        "--methods=ar,ddtree,auto",
-        "--num_prompts=1",
-        "--repeats=1",
-        "--max_new_tokens=8",
-        "--ignore_eos",  # the calibration then times the sweep's own programs (and their 1-token twins)
-        f"--out_dir={tmp_path}",
-    )
-    recs = records(tmp_path / "sweep_budget.json")
-    assert [r["method"] for r in recs] == ["ar", "ddtree", "auto"] and all(r["correct"] for r in recs)
-    assert re.fullmatch(r"(ar|ddtree-4) x2|(ar|ddtree-4) x1,(ar|ddtree-4) x1", recs[2]["chosen"])
-    assert recs[2]["vs_best"] > 0 and recs[2]["speedup"] > 0
-    table = json.loads((tmp_path / "sweep_budget_calibration.json").read_text())
-    assert (table["batches"], table["contexts"], list(table["candidates"])) == ([1], [60], ["ar", "ddtree-4"])
-    run("report", f"--results_dir={tmp_path}")
-    assert "## auto: the program chosen per batch" in (tmp_path / "REPORT.md").read_text()
-
-
 def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
     """The report's auto section takes auto rows from sweep_<axis>_auto* records too, and its exact section the
     sweep_<axis>_exact* records (their `correct` counted) and exact_check's batch-1 cost."""
@@ -149,7 +121,9 @@ def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
 
 def test_sweep_auto_tables_per_axis(tiny_pair, tmp_path):
     """--calibrate_only writes one table per axis and no records; a later sweep takes a --calibration_dir table that
-    fits its axis and measures the one missing, its records named by --tag (run_gpu_matrix's calibrate and auto)."""
+    fits its axis and measures the one missing, its records named by --tag (run_gpu_matrix's calibrate and auto).
+    auto runs beside the fixed methods in every cell, lossless: its row counts the programs it chose over the cell's
+    calls (1 untimed, 1 timed) and gives its rate against the best fixed one."""
     target, drafter = tiny_pair
     common = [f"--target={target}", f"--drafter={drafter}", "--axis_budgets=4", "--methods=ar,ddtree,auto"]
     common += ["--concurrency=1", "--contexts=60", "--num_prompts=1", "--repeats=1", "--max_new_tokens=8"]
@@ -164,6 +138,10 @@ def test_sweep_auto_tables_per_axis(tiny_pair, tmp_path):
         "context": {"measured in this run (sweep_context_auto_calibration.json)"},
     }
     assert not (out / "sweep_concurrency_auto_calibration.json").exists()
+    recs = records(out / "sweep_concurrency_auto.json")
+    assert [r["method"] for r in recs] == ["ar", "ddtree", "auto"] and all(r["correct"] for r in recs)
+    assert re.fullmatch(r"(ar|ddtree-4) x2|(ar|ddtree-4) x1,(ar|ddtree-4) x1", recs[2]["chosen"])
+    assert recs[2]["vs_best"] > 0 and recs[2]["speedup"] > 0
     table = json.loads((out / "sweep_context_auto_calibration.json").read_text())
     assert (table["batches"], table["contexts"], list(table["candidates"])) == ([1], [60], ["ar", "ddtree-4"])
 
