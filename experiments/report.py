@@ -245,10 +245,10 @@ def tagged_sweeps(d: Path, tag: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(d.glob(f"sweep_*_{tag}*.json")) if "_calibration" not in p.stem]
 
 
-def auto_section(sweeps: list[dict], d: Path) -> list[str]:
-    """`auto` in every sweep cell (the matrix's and the sweep_<axis>_auto runs'): what it chose over the cell's calls,
-    its speedup over AR and its rate against the best fixed method."""
-    auto = [r for p in [*sweeps, *tagged_sweeps(d, "auto")] for r in p["records"] if r["method"] == "auto"]
+def auto_section(sweeps: list[dict]) -> list[str]:
+    """`auto` in every sweep cell (the matrix's and the sweep_<axis>_auto runs' records files): what it chose over
+    the cell's calls, its speedup over AR and its rate against the best fixed method."""
+    auto = [r for p in sweeps for r in p["records"] if r["method"] == "auto"]
     if not auto:
         return []
     slower = [r for r in auto if r["speedup"] < 1]
@@ -556,10 +556,11 @@ def build(d: Path) -> Path:
     from ddtree_jax.api import trained_context
 
     window = trained_context(SHIPPED_TARGET) or 0  # the shipped target's training window (its manifest)
-    parts += auto_section([p for p in sweeps.values() if p], d)
+    matrix, auto_runs = [p for p in sweeps.values() if p], tagged_sweeps(d, "auto")
+    parts += auto_section([*matrix, *auto_runs])
     parts += exact_section(d)
-    parts += losses_section([p for p in sweeps.values() if p], bench, window, tagged_sweeps(d, "auto"))
-    parts += correctness_section([p for p in sweeps.values() if p], d, window)
+    parts += losses_section(matrix, bench, window, auto_runs)
+    parts += correctness_section(matrix, d, window)
     parts += kernel_section(d)
     parts += [
         "## Published numbers (other systems, other hardware: context only, not comparable)",
