@@ -20,9 +20,9 @@
 #   step and DDTree b8/b16 rounds at B 1 and 8 timed in loops that carry the whole state, device time, kernels and
 #   bytes per piece of each layer against a copy rate timed in the same run (layer_profile; issue 32)
 #   and (STAGES=drafter) breakdown at 32 rows with and without the drafter attention kernel and with the kernel's
-#   projections in XLA, (STAGES=drafter_bench)
-#   the drafter's forward alone, bench_drafter: the K2.5 drafter at 2K and 8K allocations, the shipped pair's at 32
-#   rows with the block's projections in the kernel and in XLA (issue 37; about 3 + 4 min)
+#   projections in XLA, (STAGES=drafter_bench) the drafter's forward alone, bench_drafter: the K2.5 drafter at 2K
+#   and 8K allocations, and (STAGES=drafter_mini) the shipped pair's at 32 rows with the block's projections in the
+#   kernel and in XLA (issue 37; about 3 + 2 + 2 min)
 #   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 4 min)
 #   and (STAGES=exact_segments) breakdown with the exact numerics at context 1024, batch 1 and 32, for exact MLA
 #   segments of 64, 128 and 256 positions (issue 34; about 5 min)
@@ -115,10 +115,10 @@ want mla_splits && stage mla_splits_verify 150 "$PY" -m experiments.bench_mla --
 # rows with the plain-JAX drafter attention beside the Pallas kernel.
 want drafter_bench && stage bench_drafter 120 "$PY" -m experiments.bench_drafter --out_dir="$RES"
 # The shipped pair's drafter at 32 rows: the Pallas block projecting in the kernel (its default at this size) vs in XLA.
-want drafter_bench && stage bench_drafter_mini 90 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
+want drafter_mini && stage bench_drafter_mini 90 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
   --drafter_config=checkpoints/kimi-mini-dflash --modes=reference,pallas --concurrency=32 --allocations=256,2048 \
   --name=bench_drafter_mini
-want drafter_bench && stage bench_drafter_mini_xla 60 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
+want drafter_mini && stage bench_drafter_mini_xla 60 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
   --drafter_config=checkpoints/kimi-mini-dflash --modes=pallas --concurrency=32 --allocations=256,2048 \
   --projections=xla --name=bench_drafter_mini_xla_projections
 want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_ref 90 "$PY" -m experiments.breakdown \
