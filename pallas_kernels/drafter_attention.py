@@ -1,20 +1,22 @@
 """Pallas-Triton GPU kernel for one drafter layer's attention block, from the layer input to the attention output.
 
 Semantics are those of `reference.drafter_attention_reference`, casts included (projections rounded to the input
-dtype, norms and RoPE in f32 rounded back). One program per (sequence, KV head) and its G = nh / kvh query heads:
+dtype, norms and RoPE in f32 rounded back). One program per (sequence, query head), B * nh programs side by side;
+the G = nh / kvh programs of a KV head each compute its K and V of the block (a small product, repeated rather than
+serialised over G query heads in one program):
 
 * Rows. x, the RoPE tables and the output are `[B*S, ...]` arrays; a program reads and writes its S rows as
   R = max(16, S) rows from row b*S by masked loads and stores (Triton dots take at least 16 rows), so no padded
   copy exists outside the kernel. Rows past S are zeros, never seen as keys and never written.
-* Projection (`_project`). The input RMS norm in f32 (a first pass over H for the sum of squares), then the group's
-  queries and the head's K and V of the block, accumulated in f32 over tiles of up to BLOCK_H inputs. Every head is
-  kept as its low and high halves (weight columns loaded by halves), so RoPE needs no concatenation in registers.
-  Each program reads its group's projection columns, i.e. every sequence re-reads them: when they exceed
+* Projection (`_project`). The input RMS norm in f32 (a first pass over H for the sum of squares), then the query
+  head's Q and its KV head's K and V of the block, accumulated in f32 over tiles of up to BLOCK_H inputs. Every head
+  is kept as its low and high halves (weight columns loaded by halves), so RoPE needs no concatenation in registers.
+  Each program reads its heads' projection columns, i.e. every sequence re-reads them: when they exceed
   PROJECT_MAX_BYTES (a large hidden size) the projections run in XLA before the kernel, one product each over all
   rows (`reference.drafter_projections`), and the kernel loads them (`_load_projections`).
 * Per-head q / k RMS norm (the sum of squares of both halves) and rotate-half RoPE on the halves; a score is
   q_lo k_lo^T + q_hi k_hi^T, the context cache's K loaded by halves too.
-* Attention (`_attend`): online softmax in f32, one accumulator per query head, over the context tiles below
+* Attention (`_attend`): online softmax in f32 over the context tiles below
   ctx_len[b] (slots past it are never read: the cost follows the context used, not the allocation), then the block.
 * The stacked caches `[layers, B, L, kvh, hd]` and kv_proj `[layers, 2, H, kvh*hd]` are passed whole with the layer
   in the block index map, so no per-layer slice of them is materialised.
@@ -61,10 +63,9 @@ class _Dims:
 
 
 def project_in_kernel(x: jax.Array, w: DrafterAttentionWeights) -> bool:
-    """Whether each program projects its own rows: its group's projection columns (G query heads, one K and one V
-    head, `[H, (G + 2) * hd]`) take at most PROJECT_MAX_BYTES."""
-    group = w.q_proj.shape[1] // w.kv_proj.shape[3]
-    return x.shape[-1] * (group + 2) * w.q_norm.shape[0] * x.dtype.itemsize <= PROJECT_MAX_BYTES
+    """Whether each program projects its own rows: its projection columns (one query, one K and one V head,
+    `[H, 3 * hd]`) take at most PROJECT_MAX_BYTES."""
+    return x.shape[-1] * 3 * w.q_norm.shape[0] * x.dtype.itemsize <= PROJECT_MAX_BYTES
 
 
 def unsupported(x: jax.Array, w: DrafterAttentionWeights, ctx_k: jax.Array) -> str:
@@ -107,12 +108,17 @@ def _store_rows(ref, row0: jax.Array, d: _Dims, cols: pl.Slice, value: jax.Array
     pltriton.store(ref.at[pl.ds(row0, d.block_rows), cols], value, mask=_row_mask(d)[:, None])
 
 
-def _project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d: _Dims) -> tuple[list[Halves], Halves, jax.Array]:
-    """The program's projections of its rows. x_ref `[B*S, H]`, g_ref `[H]` (input norm), wq_ref `[H, G*hd]` (the
-    group's query columns), wk_ref, wv_ref `[H, kvh*hd]` (the layer's kv_proj) -> (G query heads, the K head) as
-    halves `[R, hd/2]` and V `[R, hd]`, rounded to x.dtype: a = rms_norm(x) in x.dtype, a @ W accumulated in f32."""
+def _kv_col(d: _Dims) -> jax.Array:
+    """The first column of the program's KV head in a `[..., kvh*hd]` array."""
+    return pl.program_id(1) // d.group * d.head_dim
+
+
+def _project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d: _Dims) -> tuple[Halves, Halves, jax.Array]:
+    """The program's projections of its rows. x_ref `[B*S, H]`, g_ref `[H]` (input norm), wq_ref `[H, hd]` (the
+    query head's columns), wk_ref, wv_ref `[H, kvh*hd]` (the layer's kv_proj) -> Q and K as halves `[R, hd/2]` and
+    V `[R, hd]`, rounded to x.dtype: a = rms_norm(x) in x.dtype, a @ W accumulated in f32."""
     dtype, half, n_tiles = x_ref.dtype, d.head_dim // 2, d.hidden // d.block_h
-    row0, kv_col = pl.program_id(0) * d.rows, pl.program_id(1) * d.head_dim  # outside the loops for interpret mode
+    row0, kv_col = pl.program_id(0) * d.rows, _kv_col(d)  # outside the loops for interpret mode
 
     def x_tile(i):
         return _load_rows(x_ref, row0, d, pl.ds(i * d.block_h, d.block_h)).astype(jnp.float32)
@@ -127,28 +133,23 @@ def _project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d: _Dims) -> tuple[list[Halve
     def tile(i, accs):
         ins = pl.ds(i * d.block_h, d.block_h)
         a = g_ref[ins].astype(dtype)[None, :] * (x_tile(i) * inv).astype(dtype)
-        weights = [wq_ref[ins, pl.ds(j * d.head_dim + p * half, half)] for j in range(d.group) for p in (0, 1)]
+        weights = [wq_ref[ins, pl.ds(p * half, half)] for p in (0, 1)]
         weights += [wk_ref[ins, pl.ds(kv_col + p * half, half)] for p in (0, 1)]
         weights.append(wv_ref[ins, pl.ds(kv_col, d.head_dim)])
         return tuple(acc + _dot(a, w) for acc, w in zip(accs, weights, strict=True))
 
-    zeros = [jnp.zeros((d.block_rows, half), jnp.float32)] * (2 * d.group + 2)
-    zeros.append(jnp.zeros((d.block_rows, d.head_dim), jnp.float32))
-    *halves, v = (acc.astype(dtype) for acc in lax.fori_loop(0, n_tiles, tile, tuple(zeros)))
-    pairs = [tuple(halves[i : i + 2]) for i in range(0, len(halves), 2)]
-    return pairs[:-1], pairs[-1], v
+    zeros = [jnp.zeros((d.block_rows, half), jnp.float32)] * 4 + [jnp.zeros((d.block_rows, d.head_dim), jnp.float32)]
+    q_lo, q_hi, k_lo, k_hi, v = (acc.astype(dtype) for acc in lax.fori_loop(0, n_tiles, tile, tuple(zeros)))
+    return (q_lo, q_hi), (k_lo, k_hi), v
 
 
-def _load_projections(q_ref, k_ref, v_ref, d: _Dims) -> tuple[list[Halves], Halves, jax.Array]:
-    """The program's projections computed before the kernel: q_ref `[B*S, G*hd]` (the group's query columns),
+def _load_projections(q_ref, k_ref, v_ref, d: _Dims) -> tuple[Halves, Halves, jax.Array]:
+    """The program's projections computed before the kernel: q_ref `[B*S, hd]` (the query head's columns),
     k_ref, v_ref `[B*S, kvh*hd]` -> as `_project`."""
-    half, row0, kv_col = d.head_dim // 2, pl.program_id(0) * d.rows, pl.program_id(1) * d.head_dim
-    qs = [
-        tuple(_load_rows(q_ref, row0, d, pl.ds(j * d.head_dim + p * half, half)) for p in (0, 1))
-        for j in range(d.group)
-    ]
+    half, row0, kv_col = d.head_dim // 2, pl.program_id(0) * d.rows, _kv_col(d)
+    q = tuple(_load_rows(q_ref, row0, d, pl.ds(p * half, half)) for p in (0, 1))
     k = tuple(_load_rows(k_ref, row0, d, pl.ds(kv_col + p * half, half)) for p in (0, 1))
-    return qs, k, _load_rows(v_ref, row0, d, pl.ds(kv_col, d.head_dim))
+    return q, k, _load_rows(v_ref, row0, d, pl.ds(kv_col, d.head_dim))
 
 
 def _norm_rope(head: Halves, w_ref, cos: jax.Array, sin: jax.Array, d: _Dims) -> Halves:
@@ -164,23 +165,22 @@ def _norm_rope(head: Halves, w_ref, cos: jax.Array, sin: jax.Array, d: _Dims) ->
     return (lo * cos - hi * sin).astype(dtype), (hi * cos + lo * sin).astype(dtype)
 
 
-def _attend(len_ref, ck_ref, cv_ref, o_ref, qs: list[Halves], k: Halves, v: jax.Array, d: _Dims) -> None:
-    """Attention of the group's queries `qs` over the context slots below ctx_len (len_ref, a scalar; ck_ref, cv_ref
-    `[L, hd]`, the head's cache row) and the block (keys `k`, values v `[R, hd]`, its S real rows visible); writes
-    each query head's S rows to its columns of o_ref `[B*S, G*hd]`."""
+def _attend(len_ref, ck_ref, cv_ref, o_ref, q: Halves, k: Halves, v: jax.Array, d: _Dims) -> None:
+    """Attention of the query head `q` over the context slots below ctx_len (len_ref, a scalar; ck_ref, cv_ref
+    `[L, hd]`, the KV head's cache row) and the block (keys `k`, values v `[R, hd]`, its S real rows visible); writes
+    the S rows to o_ref `[B*S, hd]` (the query head's columns)."""
     ctx_len, length, half, row0 = len_ref[()], ck_ref.shape[0], d.head_dim // 2, pl.program_id(0) * d.rows
     qk_scale = d.scale * _LOG2E
+    q_lo, q_hi = q
 
     def update(carry, k_lo, k_hi, vals, seen):
-        out = []
-        for (acc, m_i, l_i), (q_lo, q_hi) in zip(carry, qs, strict=True):
-            s = (_dot(q_lo, k_lo, transpose_b=True) + _dot(q_hi, k_hi, transpose_b=True)) * qk_scale
-            s = jnp.where(seen[None, :], s, -jnp.inf)
-            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - m_new[:, None])
-            out.append((acc * alpha[:, None] + _dot(p.astype(vals.dtype), vals), m_new, l_i * alpha + jnp.sum(p, 1)))
-        return tuple(out)
+        acc, m_i, l_i = carry
+        s = (_dot(q_lo, k_lo, transpose_b=True) + _dot(q_hi, k_hi, transpose_b=True)) * qk_scale
+        s = jnp.where(seen[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        return acc * alpha[:, None] + _dot(p.astype(vals.dtype), vals), m_new, l_i * alpha + jnp.sum(p, 1)
 
     cols = jnp.arange(d.block_l, dtype=jnp.int32)
 
@@ -191,34 +191,33 @@ def _attend(len_ref, ck_ref, cv_ref, o_ref, qs: list[Halves], k: Halves, v: jax.
         keys = pl.ds(start, d.block_l)
         return update(carry, ck_ref[keys, pl.ds(0, half)], ck_ref[keys, pl.ds(half, half)], cv_ref[keys, :], seen)
 
-    head = (
+    carry = (
         jnp.zeros((d.block_rows, d.head_dim), jnp.float32),
         jnp.full((d.block_rows,), _NEG_INIT, jnp.float32),
         jnp.zeros((d.block_rows,), jnp.float32),
     )
-    carry = lax.fori_loop(0, pl.cdiv(ctx_len, d.block_l), tile, (head,) * len(qs))
-    carry = update(carry, *k, v, _row_mask(d))
-    for j, (acc, _, l_i) in enumerate(carry):  # l_i >= 1: every row sees its block
-        _store_rows(o_ref, row0, d, pl.ds(j * d.head_dim, d.head_dim), (acc / l_i[:, None]).astype(o_ref.dtype))
+    carry = lax.fori_loop(0, pl.cdiv(ctx_len, d.block_l), tile, carry)
+    acc, _, l_i = update(carry, *k, v, _row_mask(d))  # l_i >= 1: every row sees its block
+    _store_rows(o_ref, row0, d, pl.ds(0, d.head_dim), (acc / l_i[:, None]).astype(o_ref.dtype))
 
 
 def _attention_block(projections, len_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_ref, cv_ref, o_ref, d: _Dims):
     """Norms and RoPE of the program's projections (`_project` / `_load_projections`), then `_attend`."""
-    qs, k, v = projections
+    q, k, v = projections
     row0, half = pl.program_id(0) * d.rows, d.head_dim // 2
     cos, sin = (_load_rows(ref, row0, d, pl.ds(0, half)).astype(jnp.float32) for ref in (cos_ref, sin_ref))
-    qs = [_norm_rope(q, qn_ref, cos, sin, d) for q in qs]
-    _attend(len_ref, ck_ref, cv_ref, o_ref, qs, _norm_rope(k, kn_ref, cos, sin, d), v, d)
+    q, k = (_norm_rope(head, w_ref, cos, sin, d) for head, w_ref in ((q, qn_ref), (k, kn_ref)))
+    _attend(len_ref, ck_ref, cv_ref, o_ref, q, k, v, d)
 
 
 def _fused_kernel(len_ref, x_ref, g_ref, wq_ref, wk_ref, wv_ref, *refs, d: _Dims):
-    """One (sequence, KV head) program projecting its own rows; refs: q_norm, k_norm, cos, sin, cache K, cache V,
+    """One (sequence, query head) program projecting its own rows; refs: q_norm, k_norm, cos, sin, cache K, cache V,
     the output (see `drafter_attention_pallas`)."""
     _attention_block(_project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d), len_ref, *refs, d)
 
 
 def _projected_kernel(len_ref, q_ref, k_ref, v_ref, *refs, d: _Dims):
-    """One (sequence, KV head) program on projections computed before the kernel; refs as `_fused_kernel`'s."""
+    """One (sequence, query head) program on projections computed before the kernel; refs as `_fused_kernel`'s."""
     _attention_block(_load_projections(q_ref, k_ref, v_ref, d), len_ref, *refs, d)
 
 
@@ -264,34 +263,34 @@ def drafter_attention_pallas(
     n = b * s
 
     def whole(a: jax.Array) -> pl.BlockSpec:
-        return pl.BlockSpec(a.shape, lambda i, h: (0,) * a.ndim)
+        return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
 
-    group_cols = pl.BlockSpec((n, d.group * hd), lambda i, h: (0, h))
-    cache = pl.BlockSpec((None, None, length, None, hd), lambda i, h: (layer, i, 0, h, 0))
+    head_cols = pl.BlockSpec((n, hd), lambda i, j: (0, j))  # query head j's columns
+    cache = pl.BlockSpec((None, None, length, None, hd), lambda i, j: (layer, i, 0, j // d.group, 0))
     cos, sin = cos.reshape(n, hd // 2), sin.reshape(n, hd // 2)
     if project is None:
         project = project_in_kernel(x, w)
     if project:
         kernel, rows = _fused_kernel, x.reshape(n, hidden)
         args = (rows, w.input_norm, w.q_proj, w.kv_proj, w.kv_proj)
-        specs = [whole(rows), whole(w.input_norm), pl.BlockSpec((hidden, d.group * hd), lambda i, h: (0, h))]
-        specs += [pl.BlockSpec((None, None, hidden, kvh * hd), lambda i, h, t=t: (layer, t, 0, 0)) for t in (0, 1)]
+        specs = [whole(rows), whole(w.input_norm), pl.BlockSpec((hidden, hd), lambda i, j: (0, j))]
+        specs += [pl.BlockSpec((None, None, hidden, kvh * hd), lambda i, j, t=t: (layer, t, 0, 0)) for t in (0, 1)]
     else:
         q, kv = drafter_projections(x, w, layer, eps)
         kv = kv.reshape(2, n, kvh * hd)
         kernel, args = _projected_kernel, (q.reshape(n, nh * hd), kv, kv)
-        specs = [group_cols, *(pl.BlockSpec((None, n, kvh * hd), lambda i, h, t=t: (t, 0, 0)) for t in (0, 1))]
+        specs = [head_cols, *(pl.BlockSpec((None, n, kvh * hd), lambda i, j, t=t: (t, 0, 0)) for t in (0, 1))]
     o = pl.pallas_call(
         functools.partial(kernel, d=d),
-        grid=(b, kvh),
+        grid=(b, nh),
         in_specs=[
-            pl.BlockSpec((None,), lambda i, h: (i,)),
+            pl.BlockSpec((None,), lambda i, j: (i,)),
             *specs,
             *map(whole, (w.q_norm, w.k_norm, cos, sin)),
             cache,
             cache,
         ],
-        out_specs=group_cols,
+        out_specs=head_cols,
         out_shape=jax.ShapeDtypeStruct((n, nh * hd), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
