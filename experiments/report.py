@@ -291,7 +291,35 @@ def exact_section(d: Path) -> list[str]:
             f"no row differing from batch-1 AR; cost at batch 1, tokens/s on over off: "
             + ", ".join(f"{r['method']} b{r['budget']} ctx {r['context']} {r['vs_off']:.2f}" for r in one)
         )
-    return out
+    return out + segment_table(d)
+
+
+def segment_table(d: Path) -> list[str]:
+    """The exact MLA kernel's segment length (`breakdown --exact --exact_segment=N`, records
+    breakdown_exact_seg<N>[_c32]): round time per method and batch, one column per segment length."""
+    runs = {
+        (p["records"][0]["exact_segment"], f.stem.endswith("_c32")): p
+        for f in d.glob("breakdown_exact_seg*.json")
+        if (p := load(d, f.stem)) and p["records"]
+    }
+    if not runs:
+        return []
+    segments = sorted({seg for seg, _ in runs})
+    rows: dict[tuple, dict] = {}
+    for (seg, _), p in runs.items():
+        for r in p["records"]:
+            row = rows.setdefault(
+                (r["concurrency"], r["method"]),
+                {"method": r["method"], "budget": r["budget"], "rows": r["concurrency"], "context": r["context"]},
+            )
+            row[f"seg {seg}"] = r["round_ms"]
+    cols = ["method", "budget", "rows", "context", *(f"seg {s}" for s in segments)]
+    first = next(iter(runs.values()))
+    return [
+        f"Exact MLA segment length (round ms; `breakdown --exact --exact_segment=N`, {meta_line(first)}; one process "
+        "per segment length and batch, so differences of a few percent are noise):",
+        common.markdown_table([rows[k] for k in sorted(rows)], cols),
+    ]
 
 
 def losses_section(sweeps: list[dict], bench: dict | None, window: int, latest: list[dict]) -> list[str]:

@@ -22,10 +22,11 @@
 #   and (STAGES=drafter) breakdown at 32 rows with and without the drafter attention kernel and with the kernel's
 #   projections in XLA, (STAGES=drafter_bench) the drafter's forward alone, bench_drafter: the K2.5 drafter at 2K
 #   and 8K allocations, and (STAGES=drafter_mini) the shipped pair's at 32 rows with the block's projections in the
-#   kernel and in XLA (issue 37; about 3 + 2 + 2 min)
+#   kernel and in XLA (issue 37; about 5 + 2 + 2 min)
 #   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 4 min)
 #   and (STAGES=exact_segments) breakdown with the exact numerics at context 1024, batch 1 and 32, for exact MLA
-#   segments of 64, 128 and 256 positions (issue 34; about 5 min)
+#   segments of EXACT_SEGMENTS positions (64-1024; issue 34; about 9 min, 100-120 s a run: two calls, e.g.
+#   EXACT_SEGMENTS="64 128 256" then "512 1024")
 #   and (STAGES=exact_check) the exact numerics: exact_probe, exact_check (issue 34; about 9 min; exact_probe_off:
 #   the probe without them)
 #   and (STAGES=auto) method=auto beside the fixed methods on the concurrency axis (batch 1-128, context 60) and the
@@ -121,11 +122,11 @@ want drafter_mini && stage bench_drafter_mini 90 "$PY" -m experiments.bench_draf
 want drafter_mini && stage bench_drafter_mini_xla 60 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
   --drafter_config=checkpoints/kimi-mini-dflash --modes=pallas --concurrency=32 --allocations=256,2048 \
   --projections=xla --name=bench_drafter_mini_xla_projections
-want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_ref 90 "$PY" -m experiments.breakdown \
+want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_ref 120 "$PY" -m experiments.breakdown \
   --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --noexact --name=breakdown_c32_drafter_reference
-want drafter && stage breakdown_c32 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
+want drafter && stage breakdown_c32 120 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
   --budgets=8 --concurrency=32 --noexact --name=breakdown_c32
-want drafter && stage breakdown_c32_xla 90 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
+want drafter && stage breakdown_c32_xla 120 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
   --budgets=8 --concurrency=32 --noexact --projections=xla --name=breakdown_c32_xla_projections
 # Exact numerics (issue 34): layer by layer, decode steps vs block / tree / batch, with and without; then the same
 # ragged requests at batch 1/8/32 as every method, compared with batch-1 ar, and tokens/s on vs off.
@@ -136,10 +137,10 @@ want exact_cost && stage breakdown_exact 150 "$PY" -m experiments.breakdown --ou
 want exact_cost && stage breakdown_fast 120 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,ddtree \
   --budgets=16 --context=1024 --noexact --name=breakdown_noexact_ctx1024
 # The exact MLA kernel's segment length (fixed for every call; 256 today) at batch 1 and 32, context 1024.
-for seg in 64 128 256; do
-  want exact_segments && stage "breakdown_exact_seg$seg" 90 "$PY" -m experiments.breakdown --out_dir="$RES" \
+for seg in ${EXACT_SEGMENTS:-64 128 256 512 1024}; do
+  want exact_segments && stage "breakdown_exact_seg$seg" 120 "$PY" -m experiments.breakdown --out_dir="$RES" \
     --methods=ar,dflash,ddtree --budgets=16 --context=1024 --exact --exact_segment=$seg --name=breakdown_exact_seg$seg
-  want exact_segments && stage "breakdown_exact_seg${seg}_c32" 90 "$PY" -m experiments.breakdown --out_dir="$RES" \
+  want exact_segments && stage "breakdown_exact_seg${seg}_c32" 120 "$PY" -m experiments.breakdown --out_dir="$RES" \
     --methods=ar,ddtree --budgets=16 --context=1024 --concurrency=32 --exact --exact_segment=$seg \
     --name=breakdown_exact_seg${seg}_c32
 done
