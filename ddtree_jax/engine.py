@@ -303,7 +303,7 @@ def draft(
     positions = s.start[:, None] + jnp.arange(c.block_size)[None, :]
     hidden = drafter(target.embed(block), positions, dcache, ctx_len, kernels)
     draft_head = dataclasses.replace(kernels, exact=False)  # draft logits need no invariance, only speed
-    return target.logits(hidden[:, 1:], draft_head) * c.output_multiplier, dcache
+    return target.head_logits(hidden[:, 1:], draft_head) * c.output_multiplier, dcache
 
 
 def build_trees(

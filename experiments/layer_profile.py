@@ -83,13 +83,21 @@ flags.DEFINE_string("name", "layer_profile", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
 LAYERS = 2  # layer 0 dense, layer 1 MoE (first_k_dense_replace = 1)
-PROLOGUE_WEIGHTS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "w_uk")
+# The input norm runs inside MLA's prologue scope (its q_a and kv_a products norm their input).
+PROLOGUE_WEIGHTS = (
+    "input_layernorm",
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "w_uk",
+)
 WEIGHT_PIECE = {name: "prologue" for name in PROLOGUE_WEIGHTS} | {
     "w_uv": "o_proj",
     "o_proj": "o_proj",
     "gate": "router",
     "e_score_correction_bias": "router",
-    "input_layernorm": REST,
     "post_attention_layernorm": REST,
 }
 COLUMNS = ["layout", "method", "budget", "concurrency", "layer_kind", "piece", "us", "kernels", "us_per_kernel"]

@@ -11,7 +11,8 @@ of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
 `exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `head_matmul`) run the
 row-invariant kernels of `exact_matmul.py` under the `matmul` mode, its RMS norms the row-invariant kernel of
-`exact_norm.py` under the `rms_norm` mode, MLA attention the per-node kernel of `mla_exact.py` under the
+`exact_norm.py` under the `rms_norm` mode (a norm whose only consumers are products, `normed_matmul`, runs inside
+the product's kernel when the `matmul` mode selects it), MLA attention the per-node kernel of `mla_exact.py` under the
 `mla_attention` mode, and the MoE a fixed tile and a fixed-order combine. Without `exact` the `matmul` and `rms_norm`
 modes are unused: those are the plain `jnp.dot` / `jnp.einsum` and `reference.rms_norm`.
 
@@ -189,6 +190,30 @@ def rms_norm(kernels: Kernels, x: jax.Array, weight: jax.Array, eps: float) -> j
 
         return rms_norm_pallas(x, weight, eps, interpret=impl == "interpret")
     return reference.rms_norm(x, weight, eps)
+
+
+def normed_matmul(
+    kernels: Kernels,
+    x: jax.Array,
+    gain: jax.Array,
+    eps: float,
+    *ws: jax.Array,
+    preferred_element_type: DTypeLike | None = None,
+) -> tuple[jax.Array, ...]:
+    """RMS norm of x `[..., K]` with gain `[K]`, then its product with each w `[K, N_i]` -> one `[..., N_i]` per w:
+    `rms_norm` once, then `matmul` per w, as their modes select; except under `kernels.exact` with the `matmul`
+    kernel selected, where each product is one row-invariant kernel that norms x itself
+    (`exact_matmul.matmul_pallas(..., norm=(gain, eps))`; the normed x is never stored)."""
+    if kernels.exact and (impl := _choose("matmul", kernels.matmul, True)) != "reference":
+        from pallas_kernels.exact_matmul import matmul_pallas
+
+        def fused(w: jax.Array) -> jax.Array:
+            out_dtype = preferred_element_type or jnp.result_type(x, w)
+            return matmul_pallas(x, w, out_dtype, norm=(gain, eps), interpret=impl == "interpret")
+
+        return tuple(map(fused, ws))
+    normed = rms_norm(kernels, x, gain, eps)
+    return tuple(matmul(kernels, normed, w, preferred_element_type) for w in ws)
 
 
 def head_matmul(

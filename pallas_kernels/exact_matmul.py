@@ -1,7 +1,8 @@
 """Pallas-Triton GPU matmuls whose result for a row does not depend on how many rows share the call.
 
-`matmul_pallas`: x `[M, K]` @ w `[K, N]`; `head_matmul_pallas`: one such product per head, x `[M, heads, K]` with
-w `[heads, K, N]` or `[heads, N, K]` (MLA's absorbed w_uk / w_uv einsums). Both accumulate in f32. The invariance:
+`matmul_pallas`: x `[M, K]` @ w `[K, N]`, x optionally RMS-normed first; `head_matmul_pallas`: one such product
+per head, x `[M, heads, K]` with w `[heads, K, N]` or `[heads, N, K]` (MLA's absorbed w_uk / w_uv einsums). Both
+accumulate in f32. The invariance:
 
 * Every program computes a `[BLOCK_M, block_n]` output tile; BLOCK_M is fixed and (block_n, block_k) come from
   (K, N, dtype) alone (`tiling`), never from M, and M only sets the number of row tiles in the grid (the last
@@ -12,6 +13,16 @@ w `[heads, K, N]` or `[heads, N, K]` (MLA's absorbed w_uk / w_uv einsums). Both 
   its predecessor. Along K the overlapped columns of x are zeroed, so they add exact zeros; along N the overlapped
   columns are stored by the tile that owns them only (a masked store). Dims below MIN_DIM are zero-padded to it.
 * f32 operands multiply in IEEE f32 (precision HIGHEST; Triton's default for them is TF32).
+
+`matmul_pallas(..., norm=(gain, eps))` is `reference.rms_norm(x, gain, eps) @ w` in one kernel (the RMS norm as a
+prologue; the same grid and tiling as without it). Each program first sums its rows' squares over K in f32,
+elementwise into a `[BLOCK_M, block_k]` accumulator over the ascending K tiles (the tail tile's overlap loads as
+zeros), then over the accumulator's columns: an order fixed by K alone. Its K loop then scales each loaded x tile
+as the reference does (x in f32 times rsqrt(mean + eps), rounded to x.dtype, times the gain in x.dtype) before the
+dot. Every column tile's program recomputes its rows' norm. The result is row-invariant, but not bitwise the norm
+kernel (`exact_norm.py`, tiles of up to 1024 columns) followed by the plain product: the sums of squares are added
+in another order. Invariance needs only that every call of a token runs the same arithmetic, which the model's
+fixed choice of kernel per product gives.
 """
 
 from __future__ import annotations
@@ -63,13 +74,17 @@ def ieee_dot(dtype: DTypeLike):
     return functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, rows: int, tile: Tiling, transposed: bool) -> None:
-    """One (head, row tile, column tile) program: o[:, n0:n0 + block_n] = x @ w[:, n0:n0 + block_n].
+def _kernel(x_ref, w_ref, *refs, rows: int, tile: Tiling, transposed: bool, norm: tuple[int, float] | None) -> None:
+    """One (head, row tile, column tile) program: o[:, n0:n0 + block_n] = x @ w[:, n0:n0 + block_n], x first
+    RMS-normed when `norm` is (K before padding, eps).
 
-    x_ref `[BLOCK_M, K]`; w_ref `[K, N]`, or `[N, K]` when `transposed`; o_ref `[BLOCK_M, N]` (whole rows: the
-    program stores its own columns). Rows at or past `rows` (the last tile's overhang) load as zeros and are not
-    stored.
+    x_ref `[BLOCK_M, K]`; w_ref `[K, N]`, or `[N, K]` when `transposed`; refs: (gain `[K]`, o) with `norm`, else
+    (o,); o_ref `[BLOCK_M, N]` (whole rows: the program stores its own columns). Rows at or past `rows` (the last
+    tile's overhang) load as zeros and are not stored. With `norm`, a pass over the program's rows first sums their
+    squares (tile by tile into a `[BLOCK_M, block_k]` f32 accumulator, then its columns), and the K loop scales each
+    loaded x tile as `reference.rms_norm` does before its dot.
     """
+    *gain, o_ref = refs
     k, n = x_ref.shape[1], o_ref.shape[1]
     bn, bk = tile
     own = pl.program_id(2) * bn
@@ -77,16 +92,37 @@ def _kernel(x_ref, w_ref, o_ref, *, rows: int, tile: Tiling, transposed: bool) -
     row_ok = (pl.program_id(1) * BLOCK_M + jnp.arange(BLOCK_M, dtype=jnp.int32) < rows)[:, None]
     dot = ieee_dot(x_ref.dtype)
 
-    def step(k0, acc, fresh=None):
-        mask = row_ok if fresh is None else row_ok & fresh[None, :]
-        x = pltriton.load(x_ref.at[:, pl.ds(k0, bk)], mask=mask, other=0)
+    def k_tiles(body, init: jax.Array) -> jax.Array:
+        """body(k0, x tile `[BLOCK_M, block_k]`, carry) over K in ascending tiles; the tail tile is the last block_k
+        columns, those already visited loaded as zeros."""
+
+        def visit(k0, carry, fresh=None):
+            mask = row_ok if fresh is None else row_ok & fresh[None, :]
+            return body(k0, pltriton.load(x_ref.at[:, pl.ds(k0, bk)], mask=mask, other=0), carry)
+
+        carry = lax.fori_loop(0, k // bk, lambda t, carry: visit(t * bk, carry), init)
+        if k % bk:
+            carry = visit(k - bk, carry, jnp.arange(bk, dtype=jnp.int32) >= bk - k % bk)
+        return carry
+
+    def square(k0, x, acc):
+        xf = x.astype(jnp.float32)
+        return acc + xf * xf
+
+    if norm is not None:
+        hidden, eps = norm
+        squares = k_tiles(square, jnp.zeros((BLOCK_M, bk), jnp.float32))
+        inv = lax.rsqrt(jnp.sum(squares, axis=1, keepdims=True) / hidden + eps)
+
+    def step(k0, x, acc):
+        if norm is not None:
+            g = gain[0][pl.ds(k0, bk)].astype(x.dtype)
+            x = g[None, :] * (x.astype(jnp.float32) * inv).astype(x.dtype)
         if transposed:
             return acc + dot(x, w_ref[pl.ds(n0, bn), pl.ds(k0, bk)].T)
         return acc + dot(x, w_ref[pl.ds(k0, bk), pl.ds(n0, bn)])
 
-    acc = lax.fori_loop(0, k // bk, lambda t, acc: step(t * bk, acc), jnp.zeros((BLOCK_M, bn), jnp.float32))
-    if k % bk:  # tail: the last block_k columns, those already summed loaded as zeros
-        acc = step(k - bk, acc, jnp.arange(bk, dtype=jnp.int32) >= bk - k % bk)
+    acc = k_tiles(step, jnp.zeros((BLOCK_M, bn), jnp.float32))
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)
     pltriton.store(o_ref.at[:, pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=row_ok & (cols >= own)[None, :])
 
@@ -100,7 +136,7 @@ def _pad_to(a: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(a, widths)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "transposed", "tile", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "transposed", "tile", "interpret", "eps"))
 def head_matmul_tiled(
     x: jax.Array,
     w: jax.Array,
@@ -108,10 +144,14 @@ def head_matmul_tiled(
     transposed: bool,
     tile: Tiling,
     interpret: bool = False,
+    gain: jax.Array | None = None,
+    eps: float = 0.0,
 ) -> jax.Array:
     """x `[M, heads, K]`, w `[heads, K, N]` (transposed: `[heads, N, K]`) -> `[M, heads, N]` in out_dtype with an
-    explicit tiling (the kernels' entry points take `tiling(K, N, dtype)`; tests take others). Grid: heads x
-    ceil(M / BLOCK_M) row tiles x ceil(N / block_n) column tiles; K or N below MIN_DIM is zero-padded (a copy)."""
+    explicit tiling (the kernels' entry points take `tiling(K, N, dtype)`; tests take others); with gain `[K]`,
+    every x row `[K]` is first RMS-normed inside the kernel (`reference.rms_norm(x, gain, eps)`). Grid: heads x
+    ceil(M / BLOCK_M) row tiles x ceil(N / block_n) column tiles, the same with or without the norm; K or N below
+    MIN_DIM is zero-padded (a copy)."""
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
     m, heads, k = x.shape
@@ -119,36 +159,58 @@ def head_matmul_tiled(
     kp, np_ = max(k, MIN_DIM), max(n, MIN_DIM)
     x = _pad_to(x, 2, kp)
     w = _pad_to(_pad_to(w, 2, kp), 1, np_) if transposed else _pad_to(_pad_to(w, 1, kp), 2, np_)
+    in_specs = [
+        pl.BlockSpec((BLOCK_M, None, kp), lambda h, i, j: (i, h, 0)),
+        pl.BlockSpec((None, *w.shape[1:]), lambda h, i, j: (h, 0, 0)),
+    ]
+    gains = []
+    if gain is not None:
+        in_specs.append(pl.BlockSpec((kp,), lambda h, i, j: (0,)))
+        gains.append(_pad_to(gain, 0, kp))
+    norm = None if gain is None else (k, eps)
     o = pl.pallas_call(
-        functools.partial(_kernel, rows=m, tile=tile, transposed=transposed),
+        functools.partial(_kernel, rows=m, tile=tile, transposed=transposed, norm=norm),
         grid=(heads, pl.cdiv(m, BLOCK_M), pl.cdiv(np_, tile.block_n)),
-        in_specs=[
-            pl.BlockSpec((BLOCK_M, None, kp), lambda h, i, j: (i, h, 0)),
-            pl.BlockSpec((None, *w.shape[1:]), lambda h, i, j: (h, 0, 0)),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((BLOCK_M, None, np_), lambda h, i, j: (i, h, 0)),
         out_shape=jax.ShapeDtypeStruct((m, heads, np_), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
-        name="exact_matmul",
-    )(x, w)
+        name="exact_matmul" if gain is None else "exact_normed_matmul",
+    )(x, w, *gains)
     return o if n == np_ else o[..., :n]
 
 
 def head_matmul_pallas(
-    x: jax.Array, w: jax.Array, out_dtype: DTypeLike, *, transposed: bool = False, interpret: bool = False
+    x: jax.Array,
+    w: jax.Array,
+    out_dtype: DTypeLike,
+    *,
+    transposed: bool = False,
+    norm: tuple[jax.Array, float] | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Per-head products, row-invariant: x `[..., heads, K]`, w `[heads, K, N]` (transposed: `[heads, N, K]`) ->
-    `[..., heads, N]` in out_dtype, f32 accumulation; x and w share a dtype."""
+    `[..., heads, N]` in out_dtype, f32 accumulation; x and w share a dtype. norm (gain `[K]`, eps): every x row
+    `[K]` RMS-normed first, inside the kernel (`reference.rms_norm(x, gain, eps)`)."""
     k = x.shape[-1]
     n = w.shape[1] if transposed else w.shape[2]
     flat = x.reshape(-1, *x.shape[-2:])
-    out = head_matmul_tiled(flat, w, jnp.dtype(out_dtype), transposed, tiling(k, n, w.dtype), interpret)
+    gain, eps = (None, 0.0) if norm is None else norm
+    out = head_matmul_tiled(flat, w, jnp.dtype(out_dtype), transposed, tiling(k, n, w.dtype), interpret, gain, eps)
     return out.reshape(*x.shape[:-1], n)
 
 
-def matmul_pallas(x: jax.Array, w: jax.Array, out_dtype: DTypeLike, *, interpret: bool = False) -> jax.Array:
+def matmul_pallas(
+    x: jax.Array,
+    w: jax.Array,
+    out_dtype: DTypeLike,
+    *,
+    norm: tuple[jax.Array, float] | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """x `[..., K]` @ w `[K, N]` -> `[..., N]` in out_dtype, f32 accumulation, each row's result independent of
-    the other rows of the call; x and w share a dtype."""
-    out = head_matmul_pallas(x[..., None, :], w[None], out_dtype, interpret=interpret)
+    the other rows of the call; x and w share a dtype. norm (gain `[K]`, eps): `reference.rms_norm(x, gain, eps)`
+    @ w, the norm computed inside the kernel (a prologue; see the module docstring)."""
+    out = head_matmul_pallas(x[..., None, :], w[None], out_dtype, norm=norm, interpret=interpret)
     return out[..., 0, :]

@@ -1,5 +1,6 @@
 """The row-invariant matmul kernels (`pallas_kernels/exact_matmul.py`) in interpret mode: a row's result is the same
-bits in calls of 1, 9, 17 and 65 rows; it matches jnp.dot; without `exact` dispatch is the plain expression."""
+bits in calls of 1, 9, 17 and 65 rows; it matches jnp.dot (with the norm prologue: `reference.rms_norm` then
+jnp.dot); without `exact` dispatch is the plain expression."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import numpy as np
 import pytest
 from row_invariance import PROBES, SIZES, probe_outputs, rows_invariant
 
-from pallas_kernels import dispatch, exact_matmul
+from pallas_kernels import dispatch, exact_matmul, reference
 from pallas_kernels.dispatch import Kernels
 
 EXACT = Kernels(exact=True, matmul="interpret")
 K, N = 200, 97  # neither a power of two: a K tail tile and an overlapping last N tile
+EPS = 1e-6
 
 
 def normal(rng, shape, dtype) -> np.ndarray:
@@ -59,13 +61,37 @@ def test_head_matmul_rows_are_bitwise_invariant_and_match_einsum(dtype, transpos
     np.testing.assert_allclose(np.asarray(fn(x), np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("n", [24, N])  # below the column tile (64 bf16, 32 f32 columns); above it, overlapping
+def test_normed_matmul_rows_are_bitwise_invariant_and_match_the_reference(dtype, n):
+    """The norm prologue (K = 200: a tail tile in both the sum of squares and the product) equals
+    `reference.rms_norm` then the product, and keeps a row's bits in calls of any size."""
+    rng = np.random.default_rng()
+    w, gain = normal(rng, (K, n), dtype), (1 + 0.5 * normal(rng, (K,), np.float32)).astype(dtype)
+
+    def fn(x):
+        return dispatch.normed_matmul(EXACT, x, gain, EPS, w, preferred_element_type=jnp.float32)[0]
+
+    assert rows_invariant(check_rows(fn, K, dtype, rng))
+    x = 3 * normal(rng, (2, 5, K), np.float32).astype(dtype)
+    (out,) = dispatch.normed_matmul(EXACT, x, gain, EPS, w)
+    assert out.dtype == dtype and out.shape == (2, 5, n)
+    want = np.asarray(reference.rms_norm(x, gain, EPS), np.float64) @ np.asarray(w, np.float64)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
 @pytest.mark.parametrize("k,n", [(8, 8), (16, 200), (130, 16)])
 def test_dims_below_and_off_the_tile(k, n):
-    """Dims below 16 (the router of a model with 8 experts) are zero-padded; others take overlapping tail tiles."""
+    """Dims below 16 (the router of a model with 8 experts) are zero-padded; others take overlapping tail tiles.
+    The norm prologue averages the squares over the unpadded K."""
     rng = np.random.default_rng()
-    x, w = normal(rng, (3, k), np.float32), normal(rng, (k, n), np.float32)
+    x, w, gain = normal(rng, (3, k), np.float32), normal(rng, (k, n), np.float32), normal(rng, (k,), np.float32)
     out = exact_matmul.matmul_pallas(x, w, jnp.float32, interpret=True)
     np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+    out = exact_matmul.matmul_pallas(x, w, jnp.float32, norm=(gain, EPS), interpret=True)
+    want = np.asarray(reference.rms_norm(x, gain, EPS), np.float64) @ w
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_check_catches_a_tiling_chosen_from_m():
@@ -107,3 +133,11 @@ def test_without_exact_dispatch_is_the_plain_expression():
     ]
     for args, today, dispatched in pairs:
         assert str(jax.make_jaxpr(dispatched)(*args)) == str(jax.make_jaxpr(today)(*args))
+    gain = jax.ShapeDtypeStruct((64,), jnp.bfloat16)  # one norm for both products
+
+    def today(a, g, b):
+        normed = reference.rms_norm(a, g, EPS)
+        return jnp.dot(normed, b, preferred_element_type=f32), jnp.dot(normed, b, preferred_element_type=f32)
+
+    dispatched = lambda a, g, b: dispatch.normed_matmul(plain, a, g, EPS, b, b, preferred_element_type=f32)
+    assert str(jax.make_jaxpr(dispatched)(x, gain, w)) == str(jax.make_jaxpr(today)(x, gain, w))

@@ -132,6 +132,18 @@ def test_exact_matmul_lowers(rows, weight, dtype):
     assert "__gpu$xla.gpu.triton" in text and "exact_matmul" in text
 
 
+# K2.6's products with the norm prologue: q_a and kv_a (the input norm), q_b (q_a's norm), lm_head (the final norm).
+NORMED_MATMULS = [(7168, 1536), (7168, 576), (1536, 12288), (7168, 163840)]
+
+
+@pytest.mark.parametrize("weight", NORMED_MATMULS)
+def test_exact_normed_matmul_lowers(weight):
+    fn = lambda x, g, w: matmul_pallas(x, w, jnp.float32, norm=(g, 1e-6))
+    bf16 = jnp.bfloat16
+    text = lower_for_h200(fn, spec((3, weight[0]), bf16), spec((weight[0],), bf16), spec(weight, bf16))
+    assert "__gpu$xla.gpu.triton" in text and "exact_normed_matmul" in text
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_exact_head_matmul_lowers(transposed):
     """K2.6's absorbed MLA products: w_uk `[64, 128, 512]` on q_nope, w_uv `[64, 128, 512]` (transposed) on the

@@ -10,6 +10,9 @@ Parameters are stored `[in, out]` (the transpose of HF's `[out, in]`). Each modu
 
 Every dense product of the target goes through `dispatch.matmul` / `dispatch.head_matmul` with the program's
 `Kernels`: plain `jnp.dot` / `jnp.einsum`, or under `Kernels.exact` the row-invariant kernels (docs/exactness.md).
+The RMS norms whose output only products read (a layer's input norm before q_a and kv_a, q_a's norm before q_b,
+the final norm before lm_head) go through `dispatch.normed_matmul` with their products, which under `Kernels.exact`
+computes the norm inside each product's kernel (q_a and kv_a each norm the layer input themselves).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from pallas_kernels.dispatch import Kernels
 from pallas_kernels.reference import combine_in_rank_order
 
 LatentCache = list[jax.Array]  # one `[B, L, latent_dim]` array per layer: [normed c_kv (512) | roped k_pe (64)]
+Norm = tuple[jax.Array, float]  # an RMS norm: gain `[H]`, eps
 
 
 def norm_spec(dim: int, dtype, hf_name: str) -> WeightSpec:
@@ -85,20 +89,17 @@ class MLA(nnx.Module):
     def _inv_freq(self):
         return yarn_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
-    def queries(self, x: jax.Array, positions: jax.Array, kernels: Kernels) -> tuple[jax.Array, jax.Array]:
-        """x `[B, N, H]` -> q_nope `[B, N, Hq, P]`, roped q_pe `[B, N, Hq, R]`."""
+    def queries(self, cq: jax.Array, positions: jax.Array, kernels: Kernels) -> tuple[jax.Array, jax.Array]:
+        """cq `[B, N, q_lora]` (q_a's product) -> q_nope `[B, N, Hq, P]`, roped q_pe `[B, N, Hq, R]`."""
         c = self.cfg
-        cq = dispatch.matmul(kernels, x, self.q_a_proj[...])
-        cq = dispatch.rms_norm(kernels, cq, self.q_a_layernorm[...], c.latent_norm_eps)
-        q = dispatch.matmul(kernels, cq, self.q_b_proj[...])
-        q = q.reshape(*x.shape[:2], c.num_attention_heads, c.qk_head_dim)
+        (q,) = dispatch.normed_matmul(kernels, cq, self.q_a_layernorm[...], c.latent_norm_eps, self.q_b_proj[...])
+        q = q.reshape(*cq.shape[:2], c.num_attention_heads, c.qk_head_dim)
         q_pe = rope_interleaved(q[..., c.qk_nope_head_dim :], positions, self._inv_freq())
         return q[..., : c.qk_nope_head_dim], q_pe
 
-    def latents(self, x: jax.Array, positions: jax.Array, kernels: Kernels) -> jax.Array:
-        """x `[B, N, H]` -> cache entries `[B, N, 576]` = [RMSNorm(c_kv) | RoPE(k_pe)]."""
+    def latents(self, kv: jax.Array, positions: jax.Array, kernels: Kernels) -> jax.Array:
+        """kv `[B, N, 576]` (kv_a's product) -> cache entries `[B, N, 576]` = [RMSNorm(c_kv) | RoPE(k_pe)]."""
         c = self.cfg
-        kv = dispatch.matmul(kernels, x, self.kv_a_proj_with_mqa[...])
         c_kv = dispatch.rms_norm(kernels, kv[..., : c.kv_lora_rank], self.kv_a_layernorm[...], c.latent_norm_eps)
         k_pe = rope_interleaved(kv[..., c.kv_lora_rank :], positions, self._inv_freq())
         return jnp.concatenate([c_kv, k_pe], axis=-1)
@@ -106,6 +107,7 @@ class MLA(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
+        input_norm: Norm,
         positions: jax.Array,
         cache: jax.Array,
         cache_len: jax.Array,
@@ -115,7 +117,8 @@ class MLA(nnx.Module):
         naive: bool = False,
         causal: bool = False,
     ) -> tuple[jax.Array, jax.Array]:
-        """x `[B, N, H]`, cache `[B, L, 576]` -> (y `[B, N, H]`, cache with the N new entries written).
+        """x `[B, N, H]` (the layer's residual stream), cache `[B, L, 576]` -> (y `[B, N, H]`, cache with the N new
+        entries written). input_norm: the layer's input RMS norm, applied inside q_a's and kv_a's products.
 
         naive=True computes attention in the per-head (prefill) form over the new block only; it requires an
         empty prefix (cache_len == 0), which the caller guarantees. causal: block_mask is the causal mask (the
@@ -124,8 +127,10 @@ class MLA(nnx.Module):
         """
         c = self.cfg
         with jax.named_scope("prologue"):  # named scopes: experiments/layer_profile.py attributes kernels by them
-            q_nope, q_pe = self.queries(x, positions, kernels)
-            lat = self.latents(x, positions, kernels)
+            w_a = self.q_a_proj[...], self.kv_a_proj_with_mqa[...]
+            cq, kv = dispatch.normed_matmul(kernels, x, *input_norm, *w_a)
+            q_nope, q_pe = self.queries(cq, positions, kernels)
+            lat = self.latents(kv, positions, kernels)
         with jax.named_scope("cache_write"):
             cache = write_block(cache, lat, cache_len)
         if naive:
@@ -353,7 +358,8 @@ class DecoderLayer(nnx.Module):
         """One layer; kernels None: `Kernels.from_env()`; causal: block_mask is the causal mask."""
         kernels = Kernels.or_env(kernels)
         a, cache = self.self_attn(
-            dispatch.rms_norm(kernels, h, self.input_layernorm[...], self.eps),
+            h,
+            (self.input_layernorm[...], self.eps),
             positions,
             cache,
             cache_len,
@@ -369,7 +375,7 @@ class DecoderLayer(nnx.Module):
 
 
 class ForwardOut(NamedTuple):
-    hidden: jax.Array  # [B, N, H] final-normed hidden states (feed to `logits`)
+    hidden: jax.Array  # [B, N, H] the last layer's residual stream, before the final norm (feed to `logits`)
     features: jax.Array | None  # [B, N, K*H] residual outputs of the requested layers, concatenated
     cache: LatentCache
 
@@ -415,11 +421,21 @@ class KimiForCausalLM(nnx.Module):
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
     def logits(self, hidden: jax.Array, kernels: Kernels | None = None) -> jax.Array:
-        """Final-normed hidden `[..., H]` -> f32 logits `[..., V]`; kernels: the selection of the lm_head product
-        (None: `Kernels.from_env()`)."""
+        """`ForwardOut.hidden` `[..., H]` -> f32 logits `[..., V]`: the final norm, then lm_head; kernels: the
+        selection of both (`dispatch.normed_matmul`; None: `Kernels.from_env()`)."""
         kernels = Kernels.or_env(kernels)
         with jax.named_scope("lm_head"):
-            return dispatch.matmul(kernels, hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+            norm = self.norm[...], self.config.rms_norm_eps
+            f32 = jnp.float32
+            (logits,) = dispatch.normed_matmul(kernels, hidden, *norm, self.lm_head[...], preferred_element_type=f32)
+            return logits
+
+    def head_logits(self, normed: jax.Array, kernels: Kernels | None = None) -> jax.Array:
+        """Already-normed hidden states `[..., H]` (the drafter's output) -> f32 logits `[..., V]` by lm_head alone;
+        kernels: the selection of the product (None: `Kernels.from_env()`)."""
+        kernels = Kernels.or_env(kernels)
+        with jax.named_scope("lm_head"):
+            return dispatch.matmul(kernels, normed, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(
         self,
@@ -452,7 +468,6 @@ class KimiForCausalLM(nnx.Module):
             if i in feature_layers:
                 by_layer[i] = h
         features = jnp.concatenate([by_layer[i] for i in feature_layers], axis=-1) if feature_layers else None
-        h = dispatch.rms_norm(kernels, h, self.norm[...], self.config.rms_norm_eps)
         return ForwardOut(h, features, new_cache)
 
 

@@ -248,7 +248,7 @@ def block_logits(
 ) -> jax.Array:
     """Draft logits `[B, A, block-1, V]` for block positions 1..block-1 (target embedding and lm_head)."""
     hidden = drafter_block_hidden(drafter, target.embed, features, tokens, anchors)
-    return target.logits(hidden[:, :, 1:]) * drafter.config.output_multiplier
+    return target.head_logits(hidden[:, :, 1:]) * drafter.config.output_multiplier
 
 
 def weighted_block_ce(logits: jax.Array, soft_labels: jax.Array, gamma: float) -> jax.Array:
