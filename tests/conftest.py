@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -11,6 +14,24 @@ import pytest
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, YarnConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One persistent compilation cache per test session, empty at its start: a program compiled by one test (in
+    either xdist worker, or in a test's subprocess, which inherits the environment) is loaded, not recompiled, by
+    the next test that builds the same program. The controller makes the folder before the workers start; they and
+    the subprocesses find it in the environment."""
+    if not hasattr(config, "workerinput"):
+        os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="ddtree-jax-tests-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(CACHE_ENV), ignore_errors=True))
+    # every program, however quick to compile (the defaults skip those under 1 s)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def tiny_kimi_config(layout: str = "flat", quantized: bool = True, **overrides) -> KimiConfig:
