@@ -21,6 +21,9 @@ import pytest
 from ddtree_jax import sharding
 from ddtree_jax.mesh_spec import MeshSpecError, parse_mesh_spec
 
+# Under `make test` (`--dist=loadgroup`) the module's tests share one xdist worker: the other keeps running other
+# tests while the shared subprocesses below run, instead of waiting on their lock.
+pytestmark = pytest.mark.xdist_group("sharded_runs")
 MESHES = ["expert=8,tensor=1", "expert=4,tensor=2", "expert=2,tensor=4", "data=2,expert=4"]
 TESTS = Path(__file__).resolve().parent
 
