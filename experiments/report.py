@@ -297,24 +297,19 @@ def exact_section(d: Path) -> list[str]:
 def segment_table(d: Path) -> list[str]:
     """The exact MLA kernel's segment length (`breakdown --exact --exact_segment=N`, records
     breakdown_exact_seg<N>[_c32]): round time per method and batch, one column per segment length."""
-    runs = {
-        (p["records"][0]["exact_segment"], f.stem.endswith("_c32")): p
-        for f in d.glob("breakdown_exact_seg*.json")
-        if (p := load(d, f.stem)) and p["records"]
-    }
+    runs = [p for f in sorted(d.glob("breakdown_exact_seg*.json")) if (p := load(d, f.stem)) and p["records"]]
     if not runs:
         return []
-    segments = sorted({seg for seg, _ in runs})
+    recs = [r for p in runs for r in p["records"]]
     rows: dict[tuple, dict] = {}
-    for (seg, _), p in runs.items():
-        for r in p["records"]:
-            row = rows.setdefault(
-                (r["concurrency"], r["method"]),
-                {"method": r["method"], "budget": r["budget"], "rows": r["concurrency"], "context": r["context"]},
-            )
-            row[f"seg {seg}"] = r["round_ms"]
-    cols = ["method", "budget", "rows", "context", *(f"seg {s}" for s in segments)]
-    first = next(iter(runs.values()))
+    for r in recs:
+        row = rows.setdefault(
+            (r["concurrency"], r["method"]),
+            {"method": r["method"], "budget": r["budget"], "rows": r["concurrency"], "context": r["context"]},
+        )
+        row[f"seg {r['exact_segment']}"] = r["round_ms"]
+    cols = ["method", "budget", "rows", "context", *(f"seg {s}" for s in sorted({r["exact_segment"] for r in recs}))]
+    first = runs[0]
     return [
         f"Exact MLA segment length (round ms; `breakdown --exact --exact_segment=N`, {meta_line(first)}; one process "
         "per segment length and batch, so differences of a few percent are noise):",

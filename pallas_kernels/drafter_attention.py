@@ -16,8 +16,8 @@ serialised over G query heads in one program):
   rows (`reference.drafter_projections`), and the kernel loads them (`_load_projections`).
 * Per-head q / k RMS norm (the sum of squares of both halves) and rotate-half RoPE on the halves; a score is
   q_lo k_lo^T + q_hi k_hi^T, the context cache's K loaded by halves too.
-* Attention (`_attend`): online softmax in f32 over the context tiles below
-  ctx_len[b] (slots past it are never read: the cost follows the context used, not the allocation), then the block.
+* Attention (`_attend`): online softmax in f32 over the context tiles below ctx_len[b] (slots past it are never
+  read: the cost follows the context used, not the allocation), then the block.
 * The stacked caches `[layers, B, L, kvh, hd]` and kv_proj `[layers, 2, H, kvh*hd]` are passed whole with the layer
   in the block index map, so no per-layer slice of them is materialised.
 """
