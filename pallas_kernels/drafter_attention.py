@@ -18,6 +18,10 @@ serialised over G query heads in one program):
   q_lo k_lo^T + q_hi k_hi^T, the context cache's K loaded by halves too.
 * Attention (`_attend`): online softmax in f32 over the context tiles below ctx_len[b] (slots past it are never
   read: the cost follows the context used, not the allocation), then the block.
+* Context splits (`split_count`): when B * nh programs leave the GPU short of PROGRAMS, the context is cut into
+  splits of whole tiles, a third grid axis. Each split's program writes its unnormalised partial with its running
+  max and sum (split 0 also attends to the block), and `_merge` combines them in split order in XLA. A batch-1 call
+  at 1024 slots then runs 4 programs of 4 tiles per head, not one of 16.
 * The stacked caches `[layers, B, L, kvh, hd]` and kv_proj `[layers, 2, H, kvh*hd]` are passed whole with the layer
   in the block index map, so no per-layer slice of them is materialised.
 """
@@ -41,6 +45,8 @@ _NEG_INIT = -1e30  # finite running-max start: a fully masked tile never produce
 MIN_DIM = 16  # Triton dots take operands of at least 16 rows and columns
 BLOCK_L = 64  # context slots per tile
 BLOCK_H = 128  # inputs per projection tile
+SPLIT_SLOTS = 256  # context slots per split at least (a whole number of tiles)
+PROGRAMS = 128  # programs a call aims for: about one per SM of an H100 (132)
 PROJECT_MAX_BYTES = 1 << 19  # a program's projection columns above this: the projections run in XLA
 
 Halves = tuple[jax.Array, jax.Array]  # one head's (low, high) halves `[R, hd/2]`
@@ -60,6 +66,8 @@ class _Dims:
     block_l: int
     eps: float
     scale: float
+    splits: int
+    split_tiles: int
 
 
 def project_in_kernel(x: jax.Array, w: DrafterAttentionWeights) -> bool:
@@ -165,11 +173,24 @@ def _norm_rope(head: Halves, w_ref, cos: jax.Array, sin: jax.Array, d: _Dims) ->
     return (lo * cos - hi * sin).astype(dtype), (hi * cos + lo * sin).astype(dtype)
 
 
-def _attend(len_ref, ck_ref, cv_ref, o_ref, q: Halves, k: Halves, v: jax.Array, d: _Dims) -> None:
+def split_count(b: int, nh: int, length: int, block_l: int) -> tuple[int, int]:
+    """(splits, tiles per split) of a call: the context of `length` slots cut into up to ceil(length / SPLIT_SLOTS)
+    splits of whole tiles, as many as keep b * nh * splits within PROGRAMS (1: no split, at 32 rows and 8 heads)."""
+    tiles = pl.cdiv(length, block_l)
+    splits = max(1, min(pl.cdiv(length, SPLIT_SLOTS), PROGRAMS // (b * nh)))
+    per_split = pl.cdiv(tiles, splits)
+    return pl.cdiv(tiles, per_split), per_split
+
+
+def _attend(len_ref, ck_ref, cv_ref, out_refs, q: Halves, k: Halves, v: jax.Array, d: _Dims) -> None:
     """Attention of the query head `q` over the context slots below ctx_len (len_ref, a scalar; ck_ref, cv_ref
-    `[L, hd]`, the KV head's cache row) and the block (keys `k`, values v `[R, hd]`, its S real rows visible); writes
-    the S rows to o_ref `[B*S, hd]` (the query head's columns)."""
+    `[L, hd]`, the KV head's cache row) of the program's split (program axis 2: tiles [s * split_tiles,
+    (s + 1) * split_tiles)) and, in split 0, the block (keys `k`, values v `[R, hd]`, its S real rows visible).
+    One split: out_refs is (o `[B*S, hd]`, the query head's columns), the S rows normalised. Several: (acc `[B*S, hd]`
+    f32, m `[B*S]`, l `[B*S]`), the split's unnormalised partial with its running max (log2 units) and sum, merged by
+    `_merge`; a split past ctx_len writes the empty partial (acc 0, m _NEG_INIT, l 0)."""
     ctx_len, length, half, row0 = len_ref[()], ck_ref.shape[0], d.head_dim // 2, pl.program_id(0) * d.rows
+    split = pl.program_id(2)
     qk_scale = d.scale * _LOG2E
     q_lo, q_hi = q
 
@@ -196,29 +217,46 @@ def _attend(len_ref, ck_ref, cv_ref, o_ref, q: Halves, k: Halves, v: jax.Array, 
         jnp.full((d.block_rows,), _NEG_INIT, jnp.float32),
         jnp.zeros((d.block_rows,), jnp.float32),
     )
-    carry = lax.fori_loop(0, pl.cdiv(ctx_len, d.block_l), tile, carry)
-    acc, _, l_i = update(carry, *k, v, _row_mask(d))  # l_i >= 1: every row sees its block
-    _store_rows(o_ref, row0, d, pl.ds(0, d.head_dim), (acc / l_i[:, None]).astype(o_ref.dtype))
+    first = split * d.split_tiles
+    carry = lax.fori_loop(first, jnp.minimum(pl.cdiv(ctx_len, d.block_l), first + d.split_tiles), tile, carry)
+    acc, m_i, l_i = update(carry, *k, v, _row_mask(d) & (split == 0))  # masked out past split 0: exact no-op
+    if d.splits == 1:  # l_i >= 1: every row sees its block
+        (o_ref,) = out_refs
+        _store_rows(o_ref, row0, d, pl.ds(0, d.head_dim), (acc / l_i[:, None]).astype(o_ref.dtype))
+        return
+    acc_ref, m_ref, l_ref = out_refs
+    _store_rows(acc_ref, row0, d, pl.ds(0, d.head_dim), acc)
+    for ref, value in ((m_ref, m_i), (l_ref, l_i)):
+        pltriton.store(ref.at[pl.ds(row0, d.block_rows)], value, mask=_row_mask(d))
 
 
-def _attention_block(projections, len_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_ref, cv_ref, o_ref, d: _Dims):
+def _merge(acc: jax.Array, m: jax.Array, l_sum: jax.Array, dtype) -> jax.Array:
+    """The splits' partials, acc `[splits, B*S, nh, hd]` f32, m and l_sum `[splits, B*S, nh]` (running max in log2
+    units and sum) -> the attention output `[B*S, nh, hd]` in dtype: rescaled to the largest max and summed in split
+    order, then divided."""
+    w = jnp.exp2(m - jnp.max(m, axis=0))
+    return (jnp.sum(w[..., None] * acc, axis=0) / jnp.sum(w * l_sum, axis=0)[..., None]).astype(dtype)
+
+
+def _attention_block(projections, len_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_ref, cv_ref, *out_refs, d: _Dims):
     """Norms and RoPE of the program's projections (`_project` / `_load_projections`), then `_attend`."""
     q, k, v = projections
     row0, half = pl.program_id(0) * d.rows, d.head_dim // 2
     cos, sin = (_load_rows(ref, row0, d, pl.ds(0, half)).astype(jnp.float32) for ref in (cos_ref, sin_ref))
     q, k = (_norm_rope(head, w_ref, cos, sin, d) for head, w_ref in ((q, qn_ref), (k, kn_ref)))
-    _attend(len_ref, ck_ref, cv_ref, o_ref, q, k, v, d)
+    _attend(len_ref, ck_ref, cv_ref, out_refs, q, k, v, d)
 
 
 def _fused_kernel(len_ref, x_ref, g_ref, wq_ref, wk_ref, wv_ref, *refs, d: _Dims):
-    """One (sequence, query head) program projecting its own rows; refs: q_norm, k_norm, cos, sin, cache K, cache V,
-    the output (see `drafter_attention_pallas`)."""
-    _attention_block(_project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d), len_ref, *refs, d)
+    """One (sequence, query head, context split) program projecting its own rows; refs: q_norm, k_norm, cos, sin,
+    cache K, cache V, the outputs (see `_attend` and `drafter_attention_pallas`)."""
+    _attention_block(_project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d), len_ref, *refs, d=d)
 
 
 def _projected_kernel(len_ref, q_ref, k_ref, v_ref, *refs, d: _Dims):
-    """One (sequence, query head) program on projections computed before the kernel; refs as `_fused_kernel`'s."""
-    _attention_block(_load_projections(q_ref, k_ref, v_ref, d), len_ref, *refs, d)
+    """One (sequence, query head, context split) program on projections computed before the kernel; refs as
+    `_fused_kernel`'s."""
+    _attention_block(_load_projections(q_ref, k_ref, v_ref, d), len_ref, *refs, d=d)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "eps", "scale", "project", "interpret"))
@@ -249,6 +287,8 @@ def drafter_attention_pallas(
     b, s, hidden = x.shape
     hd, length = w.q_norm.shape[0], ctx_k.shape[2]
     kvh, nh = w.kv_proj.shape[3] // hd, w.q_proj.shape[1] // hd
+    block_l = min(BLOCK_L, 1 << (length.bit_length() - 1))  # a power of two <= L
+    splits, split_tiles = split_count(b, nh, length, block_l)
     d = _Dims(
         rows=s,
         block_rows=max(MIN_DIM, pl.next_power_of_2(s)),
@@ -256,44 +296,59 @@ def drafter_attention_pallas(
         group=nh // kvh,
         hidden=hidden,
         block_h=math.gcd(hidden, BLOCK_H),
-        block_l=min(BLOCK_L, 1 << (length.bit_length() - 1)),  # a power of two <= L
+        block_l=block_l,
         eps=eps,
         scale=scale,
+        splits=splits,
+        split_tiles=split_tiles,
     )
     n = b * s
 
     def whole(a: jax.Array) -> pl.BlockSpec:
-        return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
+        return pl.BlockSpec(a.shape, lambda i, j, c: (0,) * a.ndim)
 
-    head_cols = pl.BlockSpec((n, hd), lambda i, j: (0, j))  # query head j's columns
-    cache = pl.BlockSpec((None, None, length, None, hd), lambda i, j: (layer, i, 0, j // d.group, 0))
+    head_cols = pl.BlockSpec((n, hd), lambda i, j, c: (0, j))  # query head j's columns
+    cache = pl.BlockSpec((None, None, length, None, hd), lambda i, j, c: (layer, i, 0, j // d.group, 0))
     cos, sin = cos.reshape(n, hd // 2), sin.reshape(n, hd // 2)
     if project is None:
         project = project_in_kernel(x, w)
     if project:
         kernel, rows = _fused_kernel, x.reshape(n, hidden)
         args = (rows, w.input_norm, w.q_proj, w.kv_proj, w.kv_proj)
-        specs = [whole(rows), whole(w.input_norm), pl.BlockSpec((hidden, hd), lambda i, j: (0, j))]
-        specs += [pl.BlockSpec((None, None, hidden, kvh * hd), lambda i, j, t=t: (layer, t, 0, 0)) for t in (0, 1)]
+        specs = [whole(rows), whole(w.input_norm), pl.BlockSpec((hidden, hd), lambda i, j, c: (0, j))]
+        specs += [pl.BlockSpec((None, None, hidden, kvh * hd), lambda i, j, c, t=t: (layer, t, 0, 0)) for t in (0, 1)]
     else:
         q, kv = drafter_projections(x, w, layer, eps)
         kv = kv.reshape(2, n, kvh * hd)
         kernel, args = _projected_kernel, (q.reshape(n, nh * hd), kv, kv)
-        specs = [head_cols, *(pl.BlockSpec((None, n, kvh * hd), lambda i, j, t=t: (t, 0, 0)) for t in (0, 1))]
+        specs = [head_cols, *(pl.BlockSpec((None, n, kvh * hd), lambda i, j, c, t=t: (t, 0, 0)) for t in (0, 1))]
+    if splits == 1:
+        out_specs, out_shape = head_cols, jax.ShapeDtypeStruct((n, nh * hd), x.dtype)
+    else:  # partials: acc `[splits, B*S, nh*hd]`, m and l `[splits, nh, B*S]`
+        stat = pl.BlockSpec((None, None, n), lambda i, j, c: (c, j, 0))
+        out_specs = (pl.BlockSpec((None, n, hd), lambda i, j, c: (c, 0, j)), stat, stat)
+        out_shape = (
+            jax.ShapeDtypeStruct((splits, n, nh * hd), jnp.float32),
+            *(jax.ShapeDtypeStruct((splits, nh, n), jnp.float32),) * 2,
+        )
     o = pl.pallas_call(
         functools.partial(kernel, d=d),
-        grid=(b, nh),
+        grid=(b, nh, splits),
         in_specs=[
-            pl.BlockSpec((None,), lambda i, j: (i,)),
+            pl.BlockSpec((None,), lambda i, j, c: (i,)),
             *specs,
             *map(whole, (w.q_norm, w.k_norm, cos, sin)),
             cache,
             cache,
         ],
-        out_specs=head_cols,
-        out_shape=jax.ShapeDtypeStruct((n, nh * hd), x.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="drafter_attention",
     )(ctx_len.astype(jnp.int32), *args, w.q_norm, w.k_norm, cos, sin, ctx_k, ctx_v)
+    if splits > 1:
+        acc, m, l_sum = o
+        stats = (jnp.swapaxes(t, 1, 2) for t in (m, l_sum))
+        o = _merge(acc.reshape(splits, n, nh, hd), *stats, x.dtype)
     return o.reshape(b, s, nh, hd)

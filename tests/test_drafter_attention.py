@@ -135,7 +135,8 @@ def test_reference_block_is_the_models_layer_math(dtype):
 
 
 # (dtype, batch, block rows, query heads, KV heads, cache slots, project in the kernel): B*S below 16 rows, groups
-# of one, three and four, blocks of 4 / 8 / 16 rows, caches of one tile, a tile and a part, two tiles, not whole.
+# of one, three and four, blocks of 4 / 8 / 16 rows, caches of one tile, a tile and a part, two tiles, not whole;
+# caches of 600 and 1000 slots run split over the context (3 and 4 splits; a row of 0 slots, one of some, one full).
 F32, BF16 = jnp.float32, jnp.bfloat16
 KERNEL_CASES = [
     (F32, 3, 8, 8, 2, 37, True),
@@ -144,13 +145,15 @@ KERNEL_CASES = [
     (F32, 2, 16, 6, 2, 16, False),
     (BF16, 3, 8, 8, 2, 37, True),
     (BF16, 2, 16, 6, 2, 16, False),
+    (F32, 2, 8, 4, 2, 600, True),
+    (BF16, 3, 8, 8, 2, 1000, False),
 ]
 
 
 @pytest.mark.parametrize(("dtype", "b", "s", "nh", "kvh", "length", "project"), KERNEL_CASES)
 def test_kernel_equals_the_reference_block(dtype, b, s, nh, kvh, length, project):
-    """Interpret mode, projecting in the kernel or loading the projections; ragged context lengths from 0 to the
-    whole allocation."""
+    """Interpret mode, projecting in the kernel or loading the projections, in one program per (row, head) or split
+    over the context; ragged context lengths from 0 to the whole allocation."""
     args = block_inputs(np.random.default_rng(), b, s, length, nh, kvh, dtype)
     got = drafter_attention_pallas(*args, LAYER, EPS, 0.2, project=project, interpret=True)
     want = drafter_attention_reference(*args, layer=LAYER, eps=EPS, scale=0.2)
