@@ -263,7 +263,8 @@ class Generator:
     def choose(self, batch: int, context: int, max_new_tokens: int) -> cost_table.Choice:
         """What `method="auto"` runs for a batch of `batch` rows (the padded batch size) whose longest prompt has
         `context` tokens, generating `max_new_tokens`: `ar` without a drafter, else the cost table's fastest
-        candidate at the acceptance observed so far (`cost_table.Acceptance`).
+        candidate at the acceptance observed so far (`cost_table.Acceptance`), `ar` unless that one is expected more
+        than `cost_table.AR_MARGIN` faster (`CostTable.choose`).
         A `UserError` when there is no table, or one measured on other devices or in another dtype."""
         if self.drafter is None:
             return cost_table.Choice(cost_table.Candidate("ar"), batch, context, {}, cost_table.NO_DRAFTER)

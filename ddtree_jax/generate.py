@@ -10,10 +10,11 @@ there). Before loading, the run's per-device memory (`ddtree_jax.memory.plan`) i
 memory ($DDTREE_FREE_BYTES overrides it) and a run that cannot fit is refused with what would.
 
 --method=auto (the default) runs each batch with the program the cost table expects fastest for its size and
-longest prompt: `ar`, the DFlash chain or DDTree at a budget, all lossless (`ddtree_jax.cost_table`). The table is
---calibration or calibration.json beside the drafter (`ddtree-calibrate` writes it; a table measured on another
-device kind or count or dtype is refused); without --drafter auto is `ar`. auto chooses the budget too, so it takes
-no --budget. Each record's stats.batch names the method and budget that ran and, under auto, what it chose and why.
+longest prompt: `ar`, the DFlash chain or DDTree at a budget, all lossless; `ar` unless a drafting program is expected
+more than 5% faster (`ddtree_jax.cost_table.AR_MARGIN`). The table is --calibration or calibration.json beside the
+drafter (`ddtree-calibrate` writes it; a table measured on another device kind or count or dtype is refused); without
+--drafter auto is `ar`. auto chooses the budget too, so it takes no --budget. Each record's stats.batch names the
+method and budget that ran and, under auto, what it chose and why.
 
 Sampling (--temperature > 0) draws from the temperature -> --top_k -> --top_p distribution, the same for every
 method. A request stops on device at the model's EOS ids (unless --ignore_eos) or a --stop_token_ids id; --stop
@@ -51,8 +52,8 @@ flags.DEFINE_enum(
     "method",
     "auto",
     ["auto", "ar", "dflash", "ddtree"],
-    "Decoding method. auto: per batch, the program (ar, dflash or ddtree at a budget) the cost table expects fastest; "
-    "ar without --drafter.",
+    "Decoding method. auto: per batch, the program (ar, dflash or ddtree at a budget) the cost table expects fastest, "
+    f"ar unless another is expected more than {cost_table.AR_MARGIN:.0%} faster; ar without --drafter.",
 )
 flags.DEFINE_integer("budget", engine.DEFAULT_BUDGET, "DDTree node budget per round (--method=ddtree; auto chooses).")
 flags.DEFINE_string(

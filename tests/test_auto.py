@@ -21,7 +21,7 @@ from absl import flags
 
 from ddtree_jax import api, generate
 from ddtree_jax.calibration import measure
-from ddtree_jax.cost_table import Acceptance, Candidate, CostTable
+from ddtree_jax.cost_table import AR_MARGIN, Acceptance, Candidate, CostTable
 from ddtree_jax.errors import UserError, cli_main
 from experiments import workload
 
@@ -136,6 +136,43 @@ def test_the_choice_follows_the_table() -> None:
     assert TREE_WINS.choose(4, 64, N, TREE_WINS.tokens_per_round).expected_tokens_per_s["ar"] == pytest.approx(4000.0)
 
 
+def tree_wins_by(faster: float, names: Sequence[str] = ("ar", "ddtree-4"), dflash_ms: float = 9.0) -> CostTable:
+    """TREE_WINS (ddtree-4: 1 + 8/3 x 1.5 = 5 ms, 1800 tok/s) with ar's rounds set so that ddtree-4's expected rate is
+    `faster` above ar's, and a dflash (3 tokens per round) whose run takes `dflash_ms`."""
+    ar_ms = 5.0 * (1 + faster)
+    return make_table(
+        names,
+        round_ms={"ar": (ar_ms - 1) / 8, "ddtree-4": 1.5, "dflash": (dflash_ms - 1) * 3 / 8},
+        tokens_per_round={"ddtree-4": 3.0, "dflash": 3.0},
+    )
+
+
+@pytest.mark.parametrize(("faster", "chosen"), [(0.03, "ar"), (0.10, "ddtree-4")])
+def test_a_drafter_replaces_ar_only_when_expected_faster_by_the_margin(faster: float, chosen: str) -> None:
+    """A table's prediction errs by a few percent: a drafting candidate expected 3% faster than ar leaves ar running,
+    10% faster replaces it. The reported expected rates stay the plain ones."""
+    assert 0.03 < AR_MARGIN < 0.10
+    table = tree_wins_by(faster)
+    choice = table.choose(1, 64, N, table.tokens_per_round)
+    assert choice.candidate.name == chosen and choice.to_dict()["reason"] == "cost table"
+    rates = choice.expected_tokens_per_s
+    assert rates["ddtree-4"] == pytest.approx(1800.0) and rates["ddtree-4"] / rates["ar"] == pytest.approx(1 + faster)
+
+
+def test_the_margin_only_guards_leaving_ar() -> None:
+    """Between drafting candidates the higher expected rate wins however close (ddtree-4 3% above dflash, which comes
+    first in table order), with ar in the table or not; without ar the highest rate wins."""
+    near = 5.0 * 1.03  # dflash's ms: ddtree-4's 5 ms is a 3% higher rate
+    with_ar = tree_wins_by(0.5, ("ar", "dflash", "ddtree-4"), dflash_ms=near)
+    choice = with_ar.choose(1, 64, N, with_ar.tokens_per_round)
+    assert choice.candidate.name == "ddtree-4"
+    assert choice.expected_tokens_per_s["ddtree-4"] / choice.expected_tokens_per_s["dflash"] == pytest.approx(1.03)
+    without_ar = tree_wins_by(0.5, ("dflash", "ddtree-4"), dflash_ms=near)
+    assert without_ar.choose(1, 64, N, without_ar.tokens_per_round).candidate.name == "ddtree-4"
+    slower = tree_wins_by(0.5, ("dflash", "ddtree-4"), dflash_ms=5.0 / 1.03)  # now dflash's rate is 3% higher
+    assert slower.choose(1, 64, N, slower.tokens_per_round).candidate.name == "dflash"
+
+
 def test_the_call_time_counts_more_the_fewer_tokens_a_run_makes() -> None:
     """A program whose rounds are cheaper per token but whose call costs more (a drafter's prefill) wins only when
     the run is long enough to pay that back."""
@@ -164,7 +201,7 @@ def test_measured_acceptance_moves_the_choice() -> None:
     assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ddtree-4"
     acceptance.observe("ddtree-4", 10.0, 10)  # 20 / 60: 1.67 tokens per round, 8.2 ms vs ar's 9
     assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ddtree-4"
-    acceptance.observe("ddtree-4", 10.0, 10)  # 20 / 80: 1.5 per round, 9 ms: a tie goes to the first candidate, ar
+    acceptance.observe("ddtree-4", 10.0, 10)  # 20 / 80: 1.5 per round, 9 ms as ar's: within the margin, ar
     assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ar"
 
 
