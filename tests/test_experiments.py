@@ -203,7 +203,8 @@ def test_bench_tree_build(tiny_pair, tmp_path):
 
 
 def test_bench_drafter_tiny(tmp_path):
-    """Every (mode, concurrency, allocation) cell timed; the kernel path in interpret mode."""
+    """Every (mode, concurrency, allocation) cell timed in loops of 20 and 40 forwards (enough passes that the
+    difference stays above a CPU's noise); the kernel path in interpret mode."""
     run(
         "bench_drafter",
         "--tiny",
@@ -211,8 +212,8 @@ def test_bench_drafter_tiny(tmp_path):
         "--concurrency=2",
         "--allocations=32,64",
         "--context=10",
-        "--steps=1",
-        "--repeats=1",
+        "--inner=20",
+        "--repeats=3",
         f"--out_dir={tmp_path}",
     )
     recs = records(tmp_path / "bench_drafter.json")
