@@ -17,7 +17,7 @@ passes); positions and cache_len stay fixed, so every pass attends to the same `
 compiled once, on threads beside the plain forward, and run `--repeats` times after a warm-up), which leaves out what a
 program pays once (dispatch, the sync, the copy of the un-donated cache into the loop). `max_diff`: one plain forward's
 output (outside the timing), its largest difference from the first mode's at the same cell (the kernel checked against
-the reference on the device). Results: <out_dir>/<--name>.json and .md.
+the reference on the device). Results: <out_dir>/<--name>.json and .md, written after every cell.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def main(_) -> None:
                 records[-1] |= {"allocation": allocation, "ms": ms}
                 records[-1] |= {"context": FLAGS.context, "max_diff": float(jnp.abs(out).max())}
                 print(common.markdown_table(records[-1:], COLUMNS).splitlines()[-1], flush=True)
-    extra = {"tiny": FLAGS.tiny, "inner": FLAGS.inner, "repeats": FLAGS.repeats}
-    path = common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir, extra=extra)
+                extra = {"tiny": FLAGS.tiny, "inner": FLAGS.inner, "repeats": FLAGS.repeats}
+                path = common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir, extra=extra)  # every cell
     print(f"wrote {path}")
 
 

@@ -22,7 +22,7 @@
 #   and (STAGES=drafter) breakdown at 32 rows with and without the drafter attention kernel and with the kernel's
 #   projections in XLA, (STAGES=drafter_bench) the drafter's forward alone, bench_drafter: the K2.5 drafter at 2K
 #   and 8K allocations, and (STAGES=drafter_mini) the shipped pair's at 32 rows with the block's projections in the
-#   kernel and in XLA (issue 37; about 5 + 2 + 2 min)
+#   kernel and in XLA (issue 37; about 5 + 3 + 2 min)
 #   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 4 min)
 #   and (STAGES=exact_segments) breakdown with the exact numerics at context 1024, batch 1 and 32, for exact MLA
 #   segments of EXACT_SEGMENTS positions (64-1024; issue 34; about 9 min, 100-120 s a run: two calls, e.g.
@@ -114,7 +114,7 @@ want mla_splits && stage mla_splits_verify 150 "$PY" -m experiments.bench_mla --
   --check=false --name=bench_mla_split_model_verify
 # The drafter's attention (issue 37): its forward alone at 2K vs 8K allocation, then a chain / DDTree round at 32
 # rows with the plain-JAX drafter attention beside the Pallas kernel.
-want drafter_bench && stage bench_drafter 120 "$PY" -m experiments.bench_drafter --out_dir="$RES"
+want drafter_bench && stage bench_drafter 180 "$PY" -m experiments.bench_drafter --out_dir="$RES"
 # The shipped pair's drafter at 32 rows: the Pallas block projecting in the kernel (its default at this size) vs in XLA.
 want drafter_mini && stage bench_drafter_mini 90 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
   --drafter_config=checkpoints/kimi-mini-dflash --modes=reference,pallas --concurrency=32 --allocations=256,2048 \
