@@ -8,11 +8,11 @@ Per method: `round_ms` = (wall(--max_new_tokens) - wall(1 token: prefill only)) 
 --repeats runs of the compiled programs (all compiled up front on threads). Then one run under `jax.profiler`; its
 device events are joined with the program's HLO metadata (engine.py puts every piece in a `jax.named_scope`:
 experiments/device_profile.py) into `<piece>_ms` and `<piece>_kernels` per round; `other` = loop ops outside the
-pieces, `idle_ms` = round_ms - device-busy time; `top_kernels`: the costliest kernels as [scope:kernel, microseconds
-per round, launches per round]. Prefill is excluded. On a CPU the per-op events of a multi-threaded runtime overlap,
-so only the GPU numbers add up. On a GPU XLA runs the loop body as one CUDA graph: its kernels follow each other
-without launch gaps, and the profiler stretches them a little, so `idle_ms` comes out near zero or slightly negative.
-Writes <out_dir>/<name>.json and .md (default breakdown).
+pieces, `idle_ms` = round_ms - device-busy time; `top_kernels`: the --top_kernels costliest kernels as [scope:kernel,
+microseconds per round, launches per round]. Prefill is excluded. On a CPU the per-op events of a multi-threaded
+runtime overlap, so only the GPU numbers add up. On a GPU XLA runs the loop body as one CUDA graph: its kernels follow
+each other without launch gaps, and the profiler stretches them a little, so `idle_ms` comes out near zero or slightly
+negative. Writes <out_dir>/<name>.json and .md (default breakdown).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ common.define_projections_flag()
 flags.DEFINE_integer(
     "exact_segment", 0, "absolute positions per segment of the exact MLA kernel (mla_exact.SEGMENT; 0: the kernel's)"
 )
+flags.DEFINE_integer("top_kernels", 12, "costliest kernels recorded per method (all of a round's: e.g. 400)")
 flags.DEFINE_string("name", "breakdown", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
@@ -66,7 +67,7 @@ def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, in
     return (
         device_profile.per_scope(ops, scope_map),
         device_profile.unattributed(ops, scope_map),
-        device_profile.costliest(ops, scope_map),
+        device_profile.costliest(ops, scope_map, FLAGS.top_kernels),
     )
 
 
