@@ -101,6 +101,7 @@ def main(_) -> None:
     cfg = drafter_config()
     drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     records, first = [], {}
+    extra = {"tiny": FLAGS.tiny, "inner": FLAGS.inner, "repeats": FLAGS.repeats}
     for mode in FLAGS.modes:
         for batch in map(int, FLAGS.concurrency):
             for allocation in map(int, FLAGS.allocations):
@@ -110,7 +111,6 @@ def main(_) -> None:
                 records[-1] |= {"allocation": allocation, "ms": ms}
                 records[-1] |= {"context": FLAGS.context, "max_diff": float(jnp.abs(out).max())}
                 print(common.markdown_table(records[-1:], COLUMNS).splitlines()[-1], flush=True)
-                extra = {"tiny": FLAGS.tiny, "inner": FLAGS.inner, "repeats": FLAGS.repeats}
                 path = common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir, extra=extra)  # every cell
     print(f"wrote {path}")
 

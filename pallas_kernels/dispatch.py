@@ -174,12 +174,32 @@ def matmul(kernels: Kernels, x: jax.Array, w: jax.Array, preferred_element_type:
     """x `[..., K]` @ w `[K, N]` -> `[..., N]`: `jnp.dot(x, w, preferred_element_type=...)`; under `kernels.exact`
     the row-invariant kernel (`exact_matmul.matmul_pallas`, f32 accumulation) as the `matmul` mode selects, its
     reference being that same `jnp.dot`."""
-    if kernels.exact and (impl := _choose("matmul", kernels.matmul, True)) != "reference":
-        from pallas_kernels.exact_matmul import matmul_pallas
-
-        out_dtype = preferred_element_type or jnp.result_type(x, w)
-        return matmul_pallas(x, w, out_dtype, interpret=impl == "interpret")
+    if impl := _invariant_products(kernels):
+        return _invariant_matmul(impl, x, w, preferred_element_type)
     return jnp.dot(x, w, preferred_element_type=preferred_element_type)
+
+
+def _invariant_products(kernels: Kernels) -> str | None:
+    """The `matmul` mode's implementation ("pallas" or "interpret") when the products run the row-invariant
+    kernels of `exact_matmul.py` (`kernels.exact`, the mode not "reference"), else None."""
+    if kernels.exact and (impl := _choose("matmul", kernels.matmul, True)) != "reference":
+        return impl
+    return None
+
+
+def _invariant_matmul(
+    impl: str,
+    x: jax.Array,
+    w: jax.Array,
+    preferred_element_type: DTypeLike | None,
+    norm: tuple[jax.Array, float] | None = None,
+) -> jax.Array:
+    """`exact_matmul.matmul_pallas` of x `[..., K]` and w `[K, N]` (x RMS-normed first with norm = (gain, eps)),
+    in preferred_element_type or the operands' dtype."""
+    from pallas_kernels.exact_matmul import matmul_pallas
+
+    out_dtype = preferred_element_type or jnp.result_type(x, w)
+    return matmul_pallas(x, w, out_dtype, norm=norm, interpret=impl == "interpret")
 
 
 def rms_norm(kernels: Kernels, x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -204,14 +224,8 @@ def normed_matmul(
     `rms_norm` once, then `matmul` per w, as their modes select; except under `kernels.exact` with the `matmul`
     kernel selected, where each product is one row-invariant kernel that norms x itself
     (`exact_matmul.matmul_pallas(..., norm=(gain, eps))`; the normed x is never stored)."""
-    if kernels.exact and (impl := _choose("matmul", kernels.matmul, True)) != "reference":
-        from pallas_kernels.exact_matmul import matmul_pallas
-
-        def fused(w: jax.Array) -> jax.Array:
-            out_dtype = preferred_element_type or jnp.result_type(x, w)
-            return matmul_pallas(x, w, out_dtype, norm=(gain, eps), interpret=impl == "interpret")
-
-        return tuple(map(fused, ws))
+    if impl := _invariant_products(kernels):
+        return tuple(_invariant_matmul(impl, x, w, preferred_element_type, (gain, eps)) for w in ws)
     normed = rms_norm(kernels, x, gain, eps)
     return tuple(matmul(kernels, normed, w, preferred_element_type) for w in ws)
 
@@ -227,7 +241,7 @@ def head_matmul(
     """One product per head: x `[..., heads, K]` with w `[heads, K, N]` (transposed: `[heads, N, K]`) ->
     `[..., heads, N]`, `jnp.einsum` of the two; under `kernels.exact` the row-invariant kernel
     (`exact_matmul.head_matmul_pallas`) as the `matmul` mode selects, its reference being that same einsum."""
-    if kernels.exact and (impl := _choose("matmul", kernels.matmul, True)) != "reference":
+    if impl := _invariant_products(kernels):
         from pallas_kernels.exact_matmul import head_matmul_pallas
 
         out_dtype = preferred_element_type or jnp.result_type(x, w)
