@@ -150,6 +150,7 @@ def main(argv: Sequence[str]) -> None:
         budget=heaviest.spec_budget,
         layout=memory.Layout.from_spec(FLAGS.mesh, jax.device_count()),
         dtype_bytes=jnp.dtype(dtype).itemsize,
+        exact=bool(FLAGS.exact),
     )
     gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh, exact=FLAGS.exact)
     table = measure(

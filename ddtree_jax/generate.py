@@ -303,6 +303,7 @@ def main(argv: Sequence[str]) -> None:
         budget=budget,
         layout=memory.Layout.from_spec(FLAGS.mesh, jax.device_count()),
         dtype_bytes=jnp.dtype(dtype).itemsize,
+        exact=exact,
     )
     gen = Generator.load(
         FLAGS.target,

@@ -24,6 +24,10 @@
       capacity + block]` f32 and the concatenated K/V copy of one drafter layer.
   Every term counts one layer's temporaries (layers run one after another). Small buffers (tokens, lengths,
   tree indices, one `[B, V]` prefill logit row) are not counted.
+  Under the exact numerics (`exact=True`) the prefill is never the naive pass (chunks of `engine.prefill_chunk`
+  tokens), and both phases add the exact MLA kernel's partials: per query token and context segment of
+  `mla_exact.SEGMENT` slots, an f32 `[rows, kv_lora_rank]` accumulator with its row maxes and sums (rows: the
+  heads padded as the kernel pads them).
 
 Activations and non-INT4 weights use the model dtype (`dtype_bytes`, 2 for bfloat16); the router bias is f32.
 """
@@ -39,10 +43,12 @@ from typing import Any
 from absl import logging
 
 from ddtree_jax.config import DFlashConfig, KimiConfig
-from ddtree_jax.engine import GenSpec, tree_size
+from ddtree_jax.engine import GenSpec, prefill_chunk, tree_size
 from ddtree_jax.errors import UserError
 from ddtree_jax.mesh_spec import parse_mesh_spec
 from ddtree_jax.sizing import F32_BYTES, cache_slots, drafter_params, model_sizes, tensor_split_params
+from pallas_kernels import dispatch
+from pallas_kernels.mla_exact import ROWS, SEGMENT
 
 PREFILL_CHUNK = 512  # the engine's default `GenSpec.prefill_chunk` (tests/test_memory.py checks they agree)
 
@@ -122,23 +128,33 @@ def _weights(c: KimiConfig, d: DFlashConfig | None, lay: Layout, w: int) -> dict
     }
 
 
-def _prefill(c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, p: int, w: int, cap: int) -> int:
+def _exact_partials(c: KimiConfig, heads: int, tokens: int, cap: int) -> int:
+    """The exact MLA kernel's partials of `tokens` query tokens over a `cap`-slot cache, `heads` heads."""
+    rows = max(ROWS, 1 << (heads - 1).bit_length())
+    return tokens * math.ceil(cap / SEGMENT) * rows * (c.kv_lora_rank + 2) * F32_BYTES
+
+
+def _prefill(c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, p: int, w: int, cap: int, chunk: int) -> int:
+    """chunk: prompt tokens per prefill step (0: the plain path's PREFILL_CHUNK, its first chunk naive)."""
     heads = math.ceil(c.num_attention_heads / lay.tensor)
     h = c.hidden_size
-    ch = min(p, PREFILL_CHUNK)  # tokens per prefill step
-    keys = p if p <= PREFILL_CHUNK else cap  # the naive pass sees the prompt; chunks score the whole cache
+    naive = not chunk and p <= PREFILL_CHUNK  # the single naive pass over the prompt
+    ch = min(p, chunk or PREFILL_CHUNK)  # tokens per prefill step
+    keys = p if naive else cap  # the naive pass sees the prompt; chunks score the whole cache
     scores = 2 * b * heads * ch * keys * F32_BYTES
-    q_dim = c.qk_head_dim if p <= PREFILL_CHUNK else c.latent_dim  # naive per-head q, or absorbed q over the cache
+    q_dim = c.qk_head_dim if naive else c.latent_dim  # naive per-head q, or absorbed q over the cache
     qkvo = b * ch * heads * ((q_dim + c.qk_nope_head_dim + c.v_head_dim) * w + c.kv_lora_rank * F32_BYTES)
     moe = b * ch * c.num_experts_per_tok * 2 * c.moe_intermediate_size * F32_BYTES
     total = scores + qkvo + 4 * b * ch * h * w + moe
+    if chunk:
+        total += _exact_partials(c, heads, b * ch, cap)
     if d is not None:
         k = len(d.target_layer_ids)
         total += b * ch * k * h * w + d.num_hidden_layers * 2 * b * ch * d.num_key_value_heads * d.head_dim * F32_BYTES
     return total
 
 
-def _round(c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, t: int, cap: int, w: int) -> int:
+def _round(c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, t: int, cap: int, w: int, exact: bool) -> int:
     heads = math.ceil(c.num_attention_heads / lay.tensor)
     vocab = math.ceil(c.vocab_size / lay.tensor)
     h = c.hidden_size
@@ -148,6 +164,8 @@ def _round(c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, t: int, c
         + 2 * b * t * heads * cap * F32_BYTES
         + b * t * c.num_experts_per_tok * 2 * c.moe_intermediate_size * F32_BYTES
     )
+    if exact:
+        total += _exact_partials(c, heads, b * t, cap)
     if d is not None and t > 1:
         keys = cap + d.block_size
         total += (
@@ -170,17 +188,26 @@ def plan(
     prompt_len: int | None = None,
     layout: Layout | None = None,
     dtype_bytes: int = 2,
+    exact: bool = False,
 ) -> Plan:
     """Per-device memory of generating `batch` rows of up to `max_len` tokens (prompt + new) with `method`.
 
     prompt_len: the (padded) prompt length the prefill runs over; None: the whole context (the worst case).
-    The drafter is only counted for dflash / ddtree.
+    The drafter is only counted for dflash / ddtree. exact: the programs run the exact numerics
+    (`dispatch.Kernels.exact`), whose prefill chunks and MLA partials differ.
     """
     if batch < 1 or max_len < 1:
         raise ValueError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
     lay = layout or Layout()
     d = drafter_cfg if method != "ar" else None
-    spec = GenSpec(method=method, batch=batch, prompt_len=1, max_new_tokens=max_len, budget=budget)
+    spec = GenSpec(
+        method=method,
+        batch=batch,
+        prompt_len=1,
+        max_new_tokens=max_len,
+        budget=budget,
+        kernels=dispatch.Kernels(exact=exact),
+    )
     t = tree_size(spec, d.num_draft if d is not None else 0)
     cap = cache_slots(max_len + t + 1)
     p = max_len if prompt_len is None else min(prompt_len, max_len)
@@ -198,7 +225,10 @@ def plan(
         weights=_weights(c, d, lay, w),
         target_cache=c.num_hidden_layers * b * cap * c.latent_dim * w,
         drafter_cache=0 if d is None else d.num_hidden_layers * 2 * b * cap * d.num_key_value_heads * d.head_dim * w,
-        workspace={"prefill": _prefill(c, d, lay, b, p, w, cap), "round": _round(c, d, lay, b, t, cap, w)},
+        workspace={
+            "prefill": _prefill(c, d, lay, b, p, w, cap, prefill_chunk(spec) if exact else 0),
+            "round": _round(c, d, lay, b, t, cap, w, exact),
+        },
     )
 
 
