@@ -9,8 +9,9 @@ device on `expert`. The same jitted engine runs on sharded arrays; only these pl
   kernel on its own E/N experts, tokens routed elsewhere get weight 0, then one `psum`).
 * `topk_logsoftmax`: per-depth top-K of the draft distribution from vocab-sharded logits (local top-K and
   local log-Z per shard, two all-gathers of `[B, D, tensor * K]` at most, a global merge).
-* `mla_attention`, `drafter_attention`: the attention kernels per device on their own heads (a custom call GSPMD
-  cannot split; the drafter's takes its layer's projection weights too, split by heads).
+* `mla_output`, `drafter_attention`: the attention kernels per device on their own heads (a custom call GSPMD
+  cannot split; MLA's takes its W_UV product's weight too, the drafter's its layer's projection weights, split by
+  heads).
 Everything else (the head-parallel projections, dense / shared FFN, the vocab-parallel lm_head, the greedy
 argmax) is left to XLA's GSPMD partitioner, which inserts the all-reduces the shardings imply.
 
@@ -190,33 +191,36 @@ def moe_swiglu(kernels: dispatch.Kernels, x, topk_ids, topk_weights, gate_up_q, 
 # ---- head-parallel attention ------------------------------------------------------------------
 
 
-def mla_attention(
+def mla_output(
     kernels: dispatch.Kernels,
     q,
     latent_cache,
     prefix_len,
     tree_mask,
+    w_uv,
     scale: float,
     value_dim: int = 512,
     causal: bool = False,
 ) -> jax.Array:
-    """`dispatch.mla_attention` (q `[B, N, Hq, 576]`, cache `[B, L, 576]`, prefix_len `[B]`, mask `[B, N, N]`),
-    run per device on its heads under the active mesh: heads split over `tensor`, rows over `data`, the latent
-    cache whole on every head shard. No collective: the kernel (a custom call GSPMD cannot split) sees only
-    local heads, and the o_proj all-reduce after it is GSPMD's."""
+    """`dispatch.mla_output` (q `[B, N, Hq, 576]`, cache `[B, L, 576]`, prefix_len `[B]`, mask `[B, N, N]`, w_uv
+    `[Hq, V, 512]` -> `[B, N, Hq, V]` f32), run per device on its heads under the active mesh: heads (of q, w_uv
+    and the output) split over `tensor`, rows over `data`, the latent cache whole on every head shard. No
+    collective: the kernels (custom calls GSPMD cannot split) see only local heads, and the o_proj all-reduce after
+    them is GSPMD's."""
     mesh = _active
+    args = (q, latent_cache, prefix_len, tree_mask, w_uv)
     if mesh is None:
-        return dispatch.mla_attention(kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim, causal)
+        return dispatch.mla_output(kernels, *args, scale, value_dim, causal)
     batch = LOGICAL_AXES["batch"]
     heads = PartitionSpec(batch, None, LOGICAL_AXES["heads"], None)
     rows = PartitionSpec(batch, None, None)
     return jax.shard_map(
-        lambda *a: dispatch.mla_attention(kernels, *a, scale, value_dim, causal),
+        lambda *a: dispatch.mla_output(kernels, *a, scale, value_dim, causal),
         mesh=mesh,
-        in_specs=(heads, rows, PartitionSpec(batch), rows),
+        in_specs=(heads, rows, PartitionSpec(batch), rows, PartitionSpec(LOGICAL_AXES["heads"], None, None)),
         out_specs=heads,
         check_vma=False,  # as in moe_swiglu
-    )(q, latent_cache, prefix_len, tree_mask)
+    )(*args)
 
 
 def drafter_attention(

@@ -23,7 +23,7 @@ Every program of a layout is compiled first (on threads), and only then are the 
 kernels on the device. Attribution: one run of the N-iteration program under `jax.profiler`; each device event is
 joined with its instruction's op_name path in the compiled HLO (`device_profile`). ddtree_jax/models/kimi.py scopes
 every layer (`layer_i`) and its pieces: prologue (q_a, q norm, q_b, RoPE, absorbed W_UK, kv_a, kv norm, k RoPE),
-cache_write, attention (the kernel over the latent cache), o_proj (W_UV and o_proj), router, experts (routed),
+cache_write, attention (the kernel over the latent cache and its W_UV product), o_proj, router, experts (routed),
 shared_expert, ffn (the dense layer's MLP); what a layer runs outside them is norms_residual (the two RMSNorms, the
 residual adds). Outside the layers: the engine's scopes (step / draft / tree / verify / accept, `_lm_head` where the
 target's LM head runs), `loop` (loop ops in no scope), `unattributed` (instructions without metadata). Per
@@ -94,7 +94,7 @@ PROLOGUE_WEIGHTS = (
     "w_uk",
 )
 WEIGHT_PIECE = {name: "prologue" for name in PROLOGUE_WEIGHTS} | {
-    "w_uv": "o_proj",
+    "w_uv": "attention",
     "o_proj": "o_proj",
     "gate": "router",
     "e_score_correction_bias": "router",

@@ -11,10 +11,11 @@ of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
 `exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `head_matmul`) run the
 row-invariant kernels of `exact_matmul.py` under the `matmul` mode, its RMS norms the row-invariant kernel of
-`exact_norm.py` under the `rms_norm` mode (a norm whose only consumers are products, `normed_matmul`, runs inside
-the product's kernel when the `matmul` mode selects it), MLA attention the per-node kernel of `mla_exact.py` under the
-`mla_attention` mode, and the MoE a fixed tile and a fixed-order combine. Without `exact` the `matmul` and `rms_norm`
-modes are unused: those are the plain `jnp.dot` / `jnp.einsum` and `reference.rms_norm`.
+`exact_norm.py` under the `rms_norm` mode (a norm whose only consumers are products, `normed_matmul`, runs inside the
+product's kernel when the `matmul` mode selects it), MLA attention and its W_UV product (`mla_output`) the per-node
+kernels of `mla_exact.py` under the `mla_attention` mode, and the MoE a fixed tile and a fixed-order combine. Without
+`exact` the `matmul` and `rms_norm` modes are unused: those are the plain `jnp.dot` / `jnp.einsum` and
+`reference.rms_norm`.
 
 A `Kernels` value is frozen and hashable: the engine carries it in its `GenSpec`, so it is part of every compiled
 program's key, and passes it down to these functions; nothing here reads a global at trace time. The environment
@@ -251,18 +252,35 @@ def head_matmul(
 
 
 def mla_attention(kernels: Kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim=512, causal=False):
-    """Absorbed MLA attention; see `reference.mla_attention_reference` for shapes and semantics. Under
-    `kernels.exact` the kernel is `mla_exact.mla_attention_exact` (a node's result independent of the call), which
-    reads a causal block (`causal`: tree_mask is the causal mask) straight from the cache."""
+    """Absorbed MLA attention; see `reference.mla_attention_reference` for shapes and semantics (causal: tree_mask
+    is the causal mask, which only the exact kernel uses). Under `kernels.exact` the attention's kernel runs only
+    with its W_UV product (`mla_output`): a ValueError unless the mode selects the reference."""
     if (impl := _choose("mla_attention", kernels.mla_attention, _mla_kernel() is not None)) != "reference":
         if kernels.exact:
-            from pallas_kernels.mla_exact import mla_attention_exact
-
-            args = (q, latent_cache, prefix_len, tree_mask, scale, value_dim)
-            return mla_attention_exact(*args, causal=causal, interpret=impl == "interpret")
+            raise ValueError("the exact MLA kernel runs only with its W_UV product: call dispatch.mla_output")
         kernel = mla_kernel_for(kernels, q, latent_cache, value_dim)
         return kernel(q, latent_cache, prefix_len, tree_mask, scale, value_dim, interpret=impl == "interpret")
     return reference.mla_attention_reference(q, latent_cache, prefix_len, tree_mask, scale, value_dim)
+
+
+def mla_output(
+    kernels: Kernels, q, latent_cache, prefix_len, tree_mask, w_uv, scale, value_dim=512, causal=False
+) -> jax.Array:
+    """Absorbed MLA attention times each head's W_UV: q `[B, N, Hq, Dk]`, latent_cache `[B, L, Dk]`, prefix_len
+    `[B]`, tree_mask `[B, N, N]`, w_uv `[Hq, V, value_dim]` -> `[B, N, Hq, V]` f32. `mla_attention` then
+    `head_matmul(..., transposed=True)` in f32, as their modes select; under `kernels.exact` with the
+    `mla_attention` mode not "reference", `mla_exact.mla_output_exact` (a node's result independent of the call;
+    the segments' merge inside the W_UV product's kernel), which reads a causal block (`causal`: tree_mask is the
+    causal mask) straight from the cache."""
+    if kernels.exact:
+        impl = _choose("mla_attention", kernels.mla_attention, _mla_kernel() is not None)
+        if impl != "reference":
+            from pallas_kernels.mla_exact import mla_output_exact
+
+            args = (q, latent_cache, prefix_len, tree_mask, w_uv, scale, value_dim)
+            return mla_output_exact(*args, causal=causal, interpret=impl == "interpret")
+    o_lat = mla_attention(kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim, causal)
+    return head_matmul(kernels, o_lat, w_uv, transposed=True, preferred_element_type=jnp.float32)
 
 
 def build_tree(kernels: Kernels, lp_k, ids_k, root, budget: int, reference):

@@ -182,6 +182,53 @@ def test_exact_products_run_the_kernel_the_matmul_mode_selects(monkeypatch, kern
         assert calls == [want["interpret"]] * 2
 
 
+@pytest.mark.parametrize(
+    "kernels,backend,want",
+    [
+        (Kernels(exact=True), "gpu", "pallas"),
+        (Kernels(exact=True, mla_attention="interpret"), "cpu", "interpret"),
+        (Kernels(exact=True), "cpu", "reference"),  # auto off a GPU: the reference attention, then head_matmul
+        (Kernels(exact=True, mla_attention="reference"), "gpu", "reference"),
+    ],
+)
+def test_exact_mla_output_runs_the_fused_kernel_the_mla_mode_selects(monkeypatch, kernels, backend, want):
+    """Under exact, the attention and its W_UV product are one call of `mla_output_exact` (interpret as the mode
+    says); with the mode at reference, the reference attention and `head_matmul` (its products' kernel as the
+    `matmul` mode selects). The exact attention alone is refused, not replaced."""
+    from pallas_kernels import exact_matmul, mla_exact
+
+    fused, products = [], []
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(mla_exact, "mla_output_exact", lambda *a, causal, interpret: fused.append(interpret))
+    monkeypatch.setattr(exact_matmul, "head_matmul_pallas", lambda *a, interpret, **k: products.append(interpret))
+    q, cache = shapes(160, jnp.float32)
+    prefix, mask, w = jnp.zeros((2,), jnp.int32), jnp.ones((2, 3, 3), bool), jnp.ones((8, 16, 128))
+    dispatch.mla_output(kernels, q, cache, prefix, mask, w, 0.1, 128)
+    if want == "reference":
+        assert fused == [] and products == ([False] if backend == "gpu" else [])
+    else:
+        assert fused == [want == "interpret"] and products == []
+        with pytest.raises(ValueError, match="mla_output"):
+            dispatch.mla_attention(kernels, q, cache, prefix, mask, 0.1, 128)
+
+
+def test_mla_output_is_the_attention_then_the_w_uv_einsum():
+    """Without exact: `mla_attention`, then the per-head einsum with W_UV in f32."""
+    import numpy as np
+
+    from pallas_kernels.reference import mla_attention_reference
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 3, 8, 160)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((2, 64, 160)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 16, 128)), jnp.float32)
+    prefix, mask = jnp.asarray([5, 40], jnp.int32), jnp.tril(jnp.ones((2, 3, 3), bool))
+    out = dispatch.mla_output(Kernels().with_mode("reference"), q, cache, prefix, mask, w, 0.1, 128)
+    o_lat = mla_attention_reference(q, cache, prefix, mask, 0.1, 128)
+    want = jnp.einsum("bnhc,hvc->bnhv", o_lat, w, preferred_element_type=jnp.float32)
+    assert out.dtype == jnp.float32 and np.array_equal(np.asarray(out), np.asarray(want))
+
+
 @pytest.mark.parametrize("exact", [False, True])
 def test_moe_passes_exact_to_the_kernel_and_the_reference(monkeypatch, exact):
     from pallas_kernels import reference

@@ -1,7 +1,9 @@
-"""The batch- and tree-invariant MLA kernel (interpret mode on CPU, compiled on a GPU): it matches
-`mla_attention_reference`, and a token's output is bitwise the same as a one-token decode step, as a node of trees
-of 1, 9, 17 and 65 nodes, inside a causal (prefill) block, beside other rows, on either side of segment boundaries
-and under any allocated cache length (so any number of segments in the grid)."""
+"""The batch- and tree-invariant MLA attention and its W_UV product (interpret mode on CPU, compiled on a GPU): it
+matches `mla_attention_reference` followed by the W_UV einsum, and a token's output is bitwise the same as a
+one-token decode step, as a node of trees of 1, 9, 17 and 65 nodes, inside a causal (prefill) block, beside other
+rows, on either side of segment boundaries and under any allocated cache length (so any number of segments in the
+grid). The merge inside the W_UV product reads only the segments a token reaches, and a token's result does not
+depend on the other tokens of its call."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla_attention import MLAConfig, mla_attention_split
-from pallas_kernels.mla_exact import MAX_BLOCK, SEGMENT, merge_partials, mla_attention_exact
+from pallas_kernels.mla_exact import MAX_BLOCK, SEGMENT, merged_value_matmul, mla_output_exact
 from pallas_kernels.reference import mla_attention_reference
 
 SCALE = 0.125
 HEADS = 4
+V = 32  # W_UV's output columns per head
 INTERPRET = jax.default_backend() != "gpu"
 
 
@@ -29,11 +32,16 @@ def random_tree_mask(rng: np.random.Generator, n: int) -> np.ndarray:
     return mask
 
 
+def w_uv(dtype, value_dim: int) -> jax.Array:
+    """One fixed W_UV `[HEADS, V, value_dim]` per (dtype, value_dim)."""
+    w = np.random.default_rng(value_dim).standard_normal((HEADS, V, value_dim)) / np.sqrt(value_dim)
+    return jnp.asarray(w, dtype)
+
+
 def exact(q, cache, prefix, mask, value_dim: int) -> np.ndarray:
-    out = mla_attention_exact(
-        q, cache, jnp.asarray(prefix, jnp.int32), jnp.asarray(mask), SCALE, value_dim, interpret=INTERPRET
-    )
-    return np.asarray(out)
+    """`[B, N, HEADS, V]` f32: the exact attention of the nodes times W_UV."""
+    args = (jnp.asarray(prefix, jnp.int32), jnp.asarray(mask), w_uv(q.dtype, value_dim), SCALE, value_dim)
+    return np.asarray(mla_output_exact(q, cache, *args, interpret=INTERPRET))
 
 
 def split_kv(q, cache, prefix, mask, value_dim: int) -> np.ndarray:
@@ -46,7 +54,8 @@ def split_kv(q, cache, prefix, mask, value_dim: int) -> np.ndarray:
 @pytest.mark.parametrize(("dk", "dv"), [(160, 128), (576, 512)])
 @pytest.mark.parametrize(("length", "prefix"), [(192, [70, 130]), (640, [70, 2 * SEGMENT + 20])])
 def test_matches_the_reference(dk, dv, length, prefix):
-    """One segment, and three (the second row's nodes in the third, partial one)."""
+    """One segment, and three (the second row's nodes in the third, partial one): the attention in f32, then the
+    product with W_UV."""
     rng = np.random.default_rng(0)
     b, n = 2, 9
     mask = np.stack([random_tree_mask(rng, n) for _ in range(b)])
@@ -56,7 +65,7 @@ def test_matches_the_reference(dk, dv, length, prefix):
     ref = mla_attention_reference(
         q.astype(jnp.float32), cache.astype(jnp.float32), jnp.asarray(prefix), jnp.asarray(mask), SCALE, dv
     )
-    ref = np.asarray(ref, np.float64)
+    ref = np.einsum("bnhc,hvc->bnhv", np.asarray(ref, np.float64), np.asarray(w_uv(jnp.float32, dv), np.float64))
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
@@ -69,7 +78,8 @@ def chain_setup(rng: np.random.Generator, dtype, dk: int, prefix: int, k: int):
 
 
 def decode_steps(kernel, context, latents, queries, length: int, dv: int) -> list[np.ndarray]:
-    """Token t's output as a one-token decode step at position prefix + t: `[Hq, dv]` each."""
+    """Token t's output as a one-token decode step at position prefix + t: `[Hq, V]` each (`[Hq, dv]` for an
+    attention-only kernel)."""
     prefix = context.shape[0]
     outs = []
     for t in range(latents.shape[0]):
@@ -119,8 +129,8 @@ def test_kimi_width_latents_bitwise():
 
 
 def test_the_check_catches_the_split_kernel():
-    """Control: the split-KV kernel, whose splits follow the block's size rather than the node's position, fails
-    the comparison (in f32: the bf16 rounding of the output would hide most differences)."""
+    """Control: the split-KV kernel (attention alone), whose splits follow the block's size rather than the node's
+    position, fails the comparison (in f32: the bf16 rounding of the output would hide most differences)."""
     assert not all(same_bits(got, want) for got, want in tree_case(split_kv, 65, jnp.float32))
 
 
@@ -141,8 +151,8 @@ def test_kimi_width_latents_across_a_segment_boundary_bitwise():
 
 @pytest.mark.parametrize(("prefix", "lengths"), [(150, [192, 320, 1024]), (SEGMENT + 40, [320, 640, 1024])])
 def test_the_allocated_length_does_not_change_a_node(prefix, lengths):
-    """The same rows in caches of different allocated lengths (1 to 4 segments in the grid; a 192-slot cache runs
-    without partials): every node's output is the same bits (in f32, which the output's rounding hides less)."""
+    """The same rows in caches of different allocated lengths (1 to 4 segments in the grid): every node's output is
+    the same bits (in f32, where no rounding of the attention to bf16 hides a difference)."""
     rng = np.random.default_rng(prefix)
     b, n, dk, dv, dtype = 2, 17, 160, 128, jnp.float32
     mask = np.stack([random_tree_mask(rng, n) for _ in range(b)])
@@ -155,37 +165,65 @@ def test_the_allocated_length_does_not_change_a_node(prefix, lengths):
     assert all(same_bits(out, outs[0]) for out in outs[1:])
 
 
-def test_the_merge_reads_only_the_segments_a_node_reaches():
-    """Partials past a node's last segment (the grid's extra segments under a longer allocation) are not read:
-    NaN there changes nothing, and each node's result is the merge of its own segments alone."""
+def partials(rng: np.random.Generator, segments: int, tokens: int, rows: int, c: int) -> tuple[np.ndarray, ...]:
+    """Random partials: acc `[S, T, R, C]`, maxes and sums `[S, T, R]` f32 (sums >= 1, as a live segment's)."""
+    acc = rng.standard_normal((segments, tokens, rows, c)).astype(np.float32)
+    m = (rng.standard_normal((segments, tokens, rows)) * 4).astype(np.float32)
+    s = rng.uniform(1, 9, (segments, tokens, rows)).astype(np.float32)
+    return acc, m, s
+
+
+def past_live(arrays: tuple[np.ndarray, ...], live: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`arrays` (partials `[S, T, ...]`) with NaN in every segment at or past its token's live count."""
+    past = np.arange(arrays[0].shape[0])[:, None] >= live[None, :]
+    return tuple(np.where(past.reshape(past.shape + (1,) * (a.ndim - 2)), np.nan, a) for a in arrays)
+
+
+def merged(acc, m, s, live, w) -> np.ndarray:
+    return np.asarray(merged_value_matmul(acc, m, s, np.asarray(live, np.int32), w, interpret=INTERPRET))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_merged_product_reads_only_the_segments_a_token_reaches(dtype):
+    """Partials past a token's last segment (the grid's extra segments under a longer allocation, never written)
+    are not read: NaN there changes no bit, each token's result is that of the token alone with the partials cut
+    to its own segments, and the results match the merge followed by the product in NumPy."""
     rng = np.random.default_rng(2)
-    b, n, segments, rows, dv = 2, 3, 4, 16, 256
-    acc = rng.standard_normal((b, n, segments, rows, dv)).astype(np.float32)
-    m = rng.standard_normal((b, n, segments, rows)).astype(np.float32) * 4
-    s = rng.uniform(1, 9, (b, n, segments, rows)).astype(np.float32)
-    live = np.array([[1, 2, 3], [4, 2, 1]], np.int32)
-    past = np.arange(segments)[None, None, :] >= live[..., None]
-    garbage = [
-        np.where(past[..., None, None], np.nan, acc),
-        np.where(past[..., None], np.nan, m),
-        np.where(past[..., None], np.nan, s),
-    ]
-    merged = np.asarray(merge_partials(acc, m, s, live, jnp.float32, interpret=INTERPRET))
-    assert same_bits(np.asarray(merge_partials(*garbage, live, jnp.float32, interpret=INTERPRET)), merged)
-    for i, j in np.ndindex(b, n):
-        k = live[i, j]
-        alone = merge_partials(
-            acc[i : i + 1, j : j + 1, :k],
-            m[i : i + 1, j : j + 1, :k],
-            s[i : i + 1, j : j + 1, :k],
-            np.array([[k]], np.int32),
-            jnp.float32,
-            interpret=INTERPRET,
-        )
-        assert same_bits(np.asarray(alone)[0, 0], merged[i, j])
-    weights = np.exp2(m - np.max(np.where(past[..., None], -np.inf, m), axis=2, keepdims=True)) * ~past[..., None]
-    want = np.sum(weights[..., None] * acc, axis=2) / np.sum(weights * s, axis=2)[..., None]
-    np.testing.assert_allclose(merged, want, rtol=1e-5, atol=1e-6)
+    segments, tokens, rows, c, heads = 4, 20, 16, 256, 3
+    acc, m, s = partials(rng, segments, tokens, rows, c)
+    live = np.concatenate([[1, 4], rng.integers(1, segments + 1, tokens - 2)]).astype(np.int32)
+    w = jnp.asarray(rng.standard_normal((heads, V, c)) / 16, dtype)
+    out = merged(acc, m, s, live, w)
+    assert out.shape == (tokens, heads, V) and np.isfinite(out).all()
+    assert same_bits(merged(*past_live((acc, m, s), live), live, w), out)
+    for t, k in enumerate(live):
+        assert same_bits(merged(acc[:k, t : t + 1], m[:k, t : t + 1], s[:k, t : t + 1], [k], w)[0], out[t])
+    past = np.arange(segments)[:, None, None] >= live[None, :, None]
+    weights = np.exp2(m - np.max(np.where(past, -np.inf, m), axis=0)) * ~past
+    o_lat = np.sum(weights[..., None] * acc, axis=0) / np.sum(weights * s, axis=0)[..., None]  # [T, R, C]
+    o_lat = np.asarray(jnp.asarray(o_lat[:, :heads]).astype(dtype).astype(jnp.float32))  # rounded as the kernel
+    want = np.einsum("thc,hvc->thv", o_lat.astype(np.float64), np.asarray(w.astype(jnp.float32), np.float64))
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_a_tokens_merged_product_does_not_depend_on_its_call():
+    """A token's merge and product are the same bits in calls of 1, 9, 17 and 65 tokens, at different rows of its
+    tile, beside tokens that reach more segments than it does (their walk passes its last segment)."""
+    rng = np.random.default_rng(3)
+    segments, rows, c, heads = 4, 16, 512, 2
+    token = partials(rng, segments, 1, rows, c)
+    w = jnp.asarray(rng.standard_normal((heads, V, c)) / 16, jnp.bfloat16)
+    outs = []
+    for tokens in (1, 9, 17, 65):
+        row = tokens // 2
+        live = rng.integers(1, segments + 1, tokens).astype(np.int32)
+        live[max(row - 1, 0)] = segments  # a neighbour in the tile walks every segment (9 tokens and more)
+        live[row] = 2
+        noise = partials(rng, segments, tokens, rows, c)
+        pairs = zip(noise, token, strict=True)
+        arrays = tuple(np.concatenate([a[:, :row], b, a[:, row + 1 :]], axis=1) for a, b in pairs)
+        outs.append(merged(*past_live(arrays, live), live, w)[row])
+    assert all(same_bits(out, outs[0]) for out in outs[1:])
 
 
 @pytest.mark.parametrize(("prefix", "length"), [(50, 128), (SEGMENT - 10, SEGMENT + 64)])
@@ -202,8 +240,8 @@ def test_a_prefill_block_equals_decode_steps_bitwise(prefix, length):
 
 
 def exact_causal(q, cache, prefix, value_dim: int) -> np.ndarray:
-    args = (jnp.asarray(prefix, jnp.int32), None, SCALE, value_dim)
-    return np.asarray(mla_attention_exact(q, cache, *args, causal=True, interpret=INTERPRET))
+    args = (jnp.asarray(prefix, jnp.int32), None, w_uv(q.dtype, value_dim), SCALE, value_dim)
+    return np.asarray(mla_output_exact(q, cache, *args, causal=True, interpret=INTERPRET))
 
 
 @pytest.mark.parametrize(("prefix", "k", "length"), [(50, 1, 128), (SEGMENT - 40, MAX_BLOCK + 16, 2 * SEGMENT)])

@@ -14,7 +14,7 @@ from experiments.mla_common import abstract_inputs, lower_for_h200
 from pallas_kernels.drafter_attention import drafter_attention_pallas
 from pallas_kernels.exact_matmul import head_matmul_pallas, matmul_pallas
 from pallas_kernels.mla_attention import mla_attention_pallas
-from pallas_kernels.mla_exact import mla_attention_exact
+from pallas_kernels.mla_exact import mla_output_exact
 from pallas_kernels.reference import DrafterAttentionWeights
 from pallas_kernels.tree_build import build_tree_pallas
 
@@ -44,14 +44,14 @@ def test_mla_kernel_lowers(nodes, dtype):
     assert "__gpu$xla.gpu.triton" in text and "mla_attention" in text
 
 
-@pytest.mark.parametrize(("nodes", "length", "names"), [(1, 192, ["mla_attention_exact"]), (17, 1088, None)])
-def test_exact_mla_kernels_lower(nodes, length, names):
-    """The exact kernel at K2.6 widths (64 heads, 576-channel latents): the segment kernel alone for a one-segment
-    cache, and with the merge kernel for a 5-segment one (the last partial)."""
-    fn = lambda q, cache, prefix, mask: mla_attention_exact(q, cache, prefix, mask, 0.1, 512)
-    text = lower_for_h200(fn, *abstract_inputs(2, nodes, 64, length))
-    names = names or ["mla_attention_exact", "mla_attention_exact_merge"]
-    assert re.findall(r'name = "(mla_attention_exact\w*)"', text) == names
+@pytest.mark.parametrize(("nodes", "length", "causal"), [(1, 192, False), (17, 1088, False), (40, 1088, True)])
+def test_exact_mla_kernels_lower(nodes, length, causal):
+    """The exact attention and its W_UV product at K2.6 widths (64 heads, 576-channel latents, w_uv `[64, 128,
+    512]`): the segment kernel, then the merge inside the W_UV product, for a one-segment cache and a 5-segment one
+    (the last partial), a tree block and a causal one."""
+    fn = lambda q, cache, prefix, mask, w: mla_output_exact(q, cache, prefix, mask, w, 0.1, 512, causal=causal)
+    text = lower_for_h200(fn, *abstract_inputs(2, nodes, 64, length), spec((64, 128, 512), jnp.bfloat16))
+    assert re.findall(r'name = "(mla_\w*)"', text) == ["mla_attention_exact", "mla_exact_merged_w_uv"]
 
 
 def dot_precisions(jaxpr) -> list:

@@ -10,6 +10,8 @@ Parameters are stored `[in, out]` (the transpose of HF's `[out, in]`). Each modu
 
 Every dense product of the target goes through `dispatch.matmul` / `dispatch.head_matmul` with the program's
 `Kernels`: plain `jnp.dot` / `jnp.einsum`, or under `Kernels.exact` the row-invariant kernels (docs/exactness.md).
+W_UV goes with the absorbed attention through `dispatch.mla_output`, whose exact kernel merges the attention's
+segments inside the product.
 The RMS norms whose output only products read (a layer's input norm before q_a and kv_a, q_a's norm before q_b,
 the final norm before lm_head) go through `dispatch.normed_matmul` with their products, which under `Kernels.exact`
 computes the norm inside each product's kernel (q_a and kv_a each norm the layer input themselves).
@@ -140,13 +142,9 @@ class MLA(nnx.Module):
             with jax.named_scope("prologue"):
                 ql = dispatch.head_matmul(kernels, q_nope, self.w_uk[...])  # [B, N, Hq, C]
                 q_abs = jnp.concatenate([ql, q_pe], axis=-1)
-            with jax.named_scope("attention"):
-                o_lat = sharding.mla_attention(
-                    kernels, q_abs, cache, cache_len, block_mask, c.softmax_scale, c.kv_lora_rank, causal
-                )
-            with jax.named_scope("o_proj"):
-                w_uv = self.w_uv[...]  # [Hq, V, C]
-                o = dispatch.head_matmul(kernels, o_lat, w_uv, transposed=True, preferred_element_type=jnp.float32)
+            with jax.named_scope("attention"):  # the attention and its W_UV product: [B, N, Hq, V] f32
+                args = (q_abs, cache, cache_len, block_mask, self.w_uv[...], c.softmax_scale, c.kv_lora_rank, causal)
+                o = sharding.mla_output(kernels, *args)
         with jax.named_scope("o_proj"):
             o = o.astype(x.dtype).reshape(*x.shape[:2], -1)
             o = dispatch.matmul(kernels, o, self.o_proj[...], preferred_element_type=jnp.float32)
