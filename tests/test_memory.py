@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -167,3 +168,30 @@ def test_prefill_chunk_matches_the_engine_default():
     from ddtree_jax.engine import GenSpec
 
     assert memory.PREFILL_CHUNK == GenSpec("ar", 1, 1, 1).prefill_chunk
+
+
+@pytest.mark.parametrize(("batch", "tokens", "cap"), [(1, 1, 128), (3, 17, 640)])
+def test_exact_partials_match_the_kernel(batch: int, tokens: int, cap: int) -> None:
+    """The exact numerics' MLA partials term is the bytes the segment kernel writes for that many query tokens."""
+    from pallas_kernels import mla_exact
+
+    cfg = tiny_kimi_config()
+    heads = cfg.num_attention_heads
+    q = jax.ShapeDtypeStruct((batch, tokens, heads, cfg.latent_dim), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((batch, cap, cfg.latent_dim), jnp.bfloat16)
+    prefix = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    run = functools.partial(
+        mla_exact._segment_partials, scale=0.1, value_dim=cfg.kv_lora_rank, causal=True, interpret=True
+    )
+    acc, maxes, sums, _ = jax.eval_shape(lambda *a: run(*a, tree_mask=None), q, cache, prefix)
+    assert memory._exact_partials(cfg, heads, batch * tokens, cap) == sum(x.size * 4 for x in (acc, maxes, sums))
+
+
+def test_exact_plan_counts_the_partials_and_chunks() -> None:
+    target, dcfg = tiny_kimi_config(), tiny_dflash_config(tiny_kimi_config())
+    kw = {"batch": 2, "max_len": 700, "prompt_len": 600, "method": "ddtree", "budget": 8}
+    off, on = memory.plan(target, dcfg, **kw), memory.plan(target, dcfg, exact=True, **kw)
+    assert on.workspace["round"] - off.workspace["round"] == memory._exact_partials(
+        target, target.num_attention_heads, 2 * on.tree_size, on.capacity
+    )
+    assert on.workspace["prefill"] != off.workspace["prefill"] and on.total > off.total
