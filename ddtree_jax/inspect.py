@@ -14,7 +14,8 @@ auto is `ar`.
 
 "machine" (--machine, the default) describes this machine's devices and whether that plan (or, without
 --batch_size/--max_len, batch 1 at a context of min(8192, the model's)) fits them, with the --mesh and the
-XLA_PYTHON_CLIENT_MEM_FRACTION it needs (`ddtree_jax.machine.advise`).
+XLA_PYTHON_CLIENT_MEM_FRACTION it needs (`ddtree_jax.machine.advise`). --exact plans the exact numerics' programs
+(one device, no --mesh).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_integer("budget", engine.DEFAULT_BUDGET, "DDTree node budget of the plan (--method=ddtree).")
 flags.DEFINE_string("mesh", None, 'Mesh of the plan, e.g. "expert=8"; default: one device.')
+flags.DEFINE_bool(
+    "exact", False, "Plan for the exact numerics (ddtree-generate --exact, one device): their prefill and MLA partials."
+)
 flags.DEFINE_float("device_gb", None, "Free memory per device (GB) to check the plan against.")
 flags.DEFINE_bool("machine", True, "Check the plan against this machine's devices (count, kind, memory).")
 flags.mark_flag_as_required("target")
@@ -70,6 +74,8 @@ def check_method() -> None:
         raise UserError(f"--method={FLAGS.method} needs --drafter")
     if FLAGS.method == "auto" and FLAGS["budget"].present:
         raise UserError("--method=auto chooses the budget: pass --budget with --method=ddtree")
+    if FLAGS.exact and FLAGS.mesh:
+        raise UserError("--exact runs on one device: drop --mesh")
 
 
 def planned(drafter_path: Path | None, drafter: DFlashConfig | None) -> Planned:
@@ -96,6 +102,7 @@ def memory_report(target: KimiConfig, drafter: DFlashConfig | None, program: Pla
         "method": program.method,
         "budget": program.budget,
         "layout": memory.Layout.from_spec(FLAGS.mesh) if FLAGS.mesh else memory.Layout(),
+        "exact": FLAGS.exact,
     }
     p = memory.plan(target, drafter, batch=FLAGS.batch_size, max_len=FLAGS.max_len, prompt_len=FLAGS.prompt_len, **kw)
     report = p.to_dict()
@@ -119,7 +126,7 @@ def machine_report(target: KimiConfig, drafter: DFlashConfig | None, program: Pl
     was asked for."""
     max_len = FLAGS.max_len or min(MACHINE_CONTEXT, target.max_position_embeddings)
     run = {"batch": FLAGS.batch_size or 1, "max_len": max_len, "prompt_len": FLAGS.prompt_len}
-    run |= {"method": program.method, "budget": program.budget}
+    run |= {"method": program.method, "budget": program.budget, "exact": FLAGS.exact}
     return machine.report(machine.local_devices(), target, drafter, mesh=FLAGS.mesh, **run)
 
 
@@ -147,6 +154,7 @@ def sizes_text(sizes: dict[str, int]) -> list[str]:
 def plan_text(plan: dict[str, Any]) -> list[str]:
     b = memory.fmt_bytes
     method = plan["method"] if plan["method"] != "ddtree" else f"ddtree budget {plan['budget']}"
+    method += ", exact" if plan["exact"] else ""
     mesh = machine.mesh_spec(memory.Layout(**plan["layout"]))
     lines = [
         f"plan            batch {plan['batch']} x {plan['max_len']} tokens ({method}, --mesh={mesh}): "

@@ -100,6 +100,8 @@ def advise(
     """
     if not devices.accelerator or devices.card_bytes is None:
         return {"fits": None}
+    if plan_kw.get("exact") and devices.count > 1:
+        return {"fits": False, "mesh": mesh, "problem": f"the exact numerics run on one device, not {devices.count}"}
     if mesh is not None:
         layout = memory.Layout.from_spec(mesh)
         if layout.data * layout.expert * layout.tensor != devices.count:

@@ -80,6 +80,7 @@ class Plan:
     prompt_len: int
     method: str
     budget: int
+    exact: bool
     layout: Layout
     capacity: int
     tree_size: int
@@ -219,6 +220,7 @@ def plan(
         prompt_len=p,
         method=method,
         budget=budget,
+        exact=exact,
         layout=lay,
         capacity=cap,
         tree_size=t,

@@ -104,7 +104,7 @@ def test_cli_machine_on_cpu():
         "device_limit_bytes": None,
         "device_bytes": None,
         "mem_fraction_in_effect": None,
-        "run": {"batch": 1, "max_len": 8192, "prompt_len": None, "method": "ar", "budget": 16},
+        "run": {"batch": 1, "max_len": 8192, "prompt_len": None, "method": "ar", "budget": 16, "exact": False},
         "fits": None,
     }
     assert got == spec_numbers()
@@ -200,3 +200,21 @@ def test_cli_hub_ids_from_the_offline_cache(tmp_path):
     assert missing.returncode == 2 and missing.stdout == ""
     lines = missing.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: z-lab/Kimi-K2.5-DFlash: no such local directory")
+
+
+def test_cli_plans_the_exact_numerics_on_one_device():
+    from ddtree_jax import memory
+    from ddtree_jax.config import load_dflash_config
+
+    target, drafter = RELEASED_CONFIGS / "kimi-k2.6", RELEASED_CONFIGS / "kimi-k2.5-dflash"
+    run = ["--method=ddtree", "--batch_size=2", "--max_len=2048", "--prompt_len=1024", "--nomachine"]
+    out = _cli(f"--target={target}", f"--drafter={drafter}", *run, "--exact")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)["plan"]
+    t, d = load_kimi_config(target), load_dflash_config(drafter)
+    want = memory.plan(t, d, batch=2, max_len=2048, prompt_len=1024, method="ddtree", budget=16, exact=True)
+    assert plan["exact"] is True and plan["total_bytes"] == want.total and plan["workspace"] == want.workspace
+    assert "(ddtree budget 16, exact, --mesh=" in out.stderr
+    refused = _cli(f"--target={target}", f"--drafter={drafter}", *run, "--exact", "--mesh=expert=8")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip() == "error: --exact runs on one device: drop --mesh"

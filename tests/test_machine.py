@@ -69,6 +69,14 @@ def test_users_mesh_is_checked_as_given(pair):
     assert wrong["fits"] is False and wrong["problem"] == "--mesh expert=4 is not 8 devices"
 
 
+def test_exact_numerics_run_on_one_device(pair):
+    exact = RUN | {"batch": 1, "max_len": 2048, "exact": True}
+    many = machine.report(gpus(8, 141, "NVIDIA H200"), *pair, mesh=None, **exact)
+    assert many["fits"] is False and many["problem"] == "the exact numerics run on one device, not 8"
+    one = machine.report(gpus(1, 141, "NVIDIA H200"), *pair, mesh=None, **exact)
+    assert one["mesh"] == "expert=1" and one["total_bytes"] == memory.plan(*pair, **exact).total
+
+
 def test_no_accelerator(pair):
     cpu = machine.Devices(1, "cpu", "cpu", None, machine.DEFAULT_MEM_FRACTION)
     r = machine.report(cpu, *pair, mesh=None, **RUN)
