@@ -504,17 +504,22 @@ def test_bench_mla_loop_modes():
         assert looped(fn, loop)(q, cache, prefix, mask, 3).shape == q.shape
 
 
-def test_per_call_time_leaves_out_the_once_per_program_cost():
-    """Programs of k calls that take 20 ms once plus 5 ms per call: 5 ms per call, 20 ms once."""
-    import time
+def test_per_call_time_leaves_out_the_once_per_program_cost(monkeypatch):
+    """Programs of k calls that take 20 ms once plus 5 ms per call (on a clock the programs advance, so no sleep's
+    overshoot on a busy machine enters): 5 ms per call, 20 ms once."""
+    from experiments import mla_common
 
-    from experiments.mla_common import per_call_time
+    now = [0.0]
+    monkeypatch.setattr(mla_common.time, "perf_counter", lambda: now[0])
 
     def build(k: int):
-        return lambda: time.sleep(0.020 + 0.005 * k)
+        def program() -> None:
+            now[0] += 0.020 + 0.005 * k
 
-    per, once = per_call_time(build, inner=4, repeats=3)
-    assert abs(per - 0.005) < 0.001 and abs(once - 0.020) < 0.004
+        return program
+
+    per, once = mla_common.per_call_time(build, inner=4, repeats=3)
+    assert per == pytest.approx(0.005) and once == pytest.approx(0.020)
 
 
 def test_per_call_time_logs_an_estimate_at_or_below_zero(caplog):
