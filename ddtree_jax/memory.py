@@ -12,9 +12,9 @@
   64-slot tiles).
 * drafter cache: K and V, layers x 2 x batch x capacity x kv_heads x head_dim, batch split over `data`.
 * workspace: the larger of two phases (XLA frees the prefill's temporaries before the decode loop starts):
-    - prefill over the prompt P in chunks of C = min(P, PREFILL_CHUNK) tokens (the engine's chunked prefill):
-      one chunk's attention scores and probabilities f32 (`[B, heads, P, P]` for the single naive pass when
-      P <= PREFILL_CHUNK, `[B, C, heads, capacity]` over the latent cache otherwise), per-head q/k/v/output, 4 live
+    - prefill over the prompt P in chunks of C = min(P, `engine.prefill_chunk`) tokens (the engine's chunked
+      prefill): one chunk's attention scores and probabilities f32 (`[B, heads, P, P]` for the single naive pass
+      when P <= C, `[B, C, heads, capacity]` over the latent cache otherwise), per-head q/k/v/output, 4 live
       hidden copies `[B, C, H]`, routed-expert intermediates `[B*C*top_k, 2I]` f32, the drafter features
       `[B, C, K*H]` and their context K/V in f32.
     - one round over the T verified tokens (T = 1 for ar, 1 + D for dflash, 1 + budget for ddtree): 4 hidden
@@ -48,9 +48,7 @@ from ddtree_jax.errors import UserError
 from ddtree_jax.mesh_spec import parse_mesh_spec
 from ddtree_jax.sizing import F32_BYTES, cache_slots, drafter_params, model_sizes, tensor_split_params
 from pallas_kernels import dispatch
-from pallas_kernels.mla_exact import ROWS, SEGMENT
-
-PREFILL_CHUNK = 512  # the engine's default `GenSpec.prefill_chunk` (tests/test_memory.py checks they agree)
+from pallas_kernels.mla_exact import partial_bytes
 
 FREE_BYTES_ENV = "DDTREE_FREE_BYTES"  # overrides the device's free memory (tests, dry runs), in bytes
 GB = 1e9
@@ -129,26 +127,22 @@ def _weights(c: KimiConfig, d: DFlashConfig | None, lay: Layout, w: int) -> dict
     }
 
 
-def _exact_partials(c: KimiConfig, heads: int, tokens: int, cap: int) -> int:
-    """The exact MLA kernel's partials of `tokens` query tokens over a `cap`-slot cache, `heads` heads."""
-    rows = max(ROWS, 1 << (heads - 1).bit_length())
-    return tokens * math.ceil(cap / SEGMENT) * rows * (c.kv_lora_rank + 2) * F32_BYTES
-
-
-def _prefill(c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, p: int, w: int, cap: int, chunk: int) -> int:
-    """chunk: prompt tokens per prefill step (0: the plain path's PREFILL_CHUNK, its first chunk naive)."""
+def _prefill(
+    c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, p: int, w: int, cap: int, chunk: int, exact: bool
+) -> int:
+    """chunk: prompt tokens per prefill step (`engine.prefill_chunk`)."""
     heads = math.ceil(c.num_attention_heads / lay.tensor)
     h = c.hidden_size
-    naive = not chunk and p <= PREFILL_CHUNK  # the single naive pass over the prompt
-    ch = min(p, chunk or PREFILL_CHUNK)  # tokens per prefill step
+    naive = not exact and p <= chunk  # the single naive pass over the prompt
+    ch = min(p, chunk)  # tokens per prefill step
     keys = p if naive else cap  # the naive pass sees the prompt; chunks score the whole cache
     scores = 2 * b * heads * ch * keys * F32_BYTES
     q_dim = c.qk_head_dim if naive else c.latent_dim  # naive per-head q, or absorbed q over the cache
     qkvo = b * ch * heads * ((q_dim + c.qk_nope_head_dim + c.v_head_dim) * w + c.kv_lora_rank * F32_BYTES)
     moe = b * ch * c.num_experts_per_tok * 2 * c.moe_intermediate_size * F32_BYTES
     total = scores + qkvo + 4 * b * ch * h * w + moe
-    if chunk:
-        total += _exact_partials(c, heads, b * ch, cap)
+    if exact:
+        total += partial_bytes(b * ch, cap, heads, c.kv_lora_rank)
     if d is not None:
         k = len(d.target_layer_ids)
         total += b * ch * k * h * w + d.num_hidden_layers * 2 * b * ch * d.num_key_value_heads * d.head_dim * F32_BYTES
@@ -166,7 +160,7 @@ def _round(c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, t: int, c
         + b * t * c.num_experts_per_tok * 2 * c.moe_intermediate_size * F32_BYTES
     )
     if exact:
-        total += _exact_partials(c, heads, b * t, cap)
+        total += partial_bytes(b * t, cap, heads, c.kv_lora_rank)
     if d is not None and t > 1:
         keys = cap + d.block_size
         total += (
@@ -228,7 +222,7 @@ def plan(
         target_cache=c.num_hidden_layers * b * cap * c.latent_dim * w,
         drafter_cache=0 if d is None else d.num_hidden_layers * 2 * b * cap * d.num_key_value_heads * d.head_dim * w,
         workspace={
-            "prefill": _prefill(c, d, lay, b, p, w, cap, prefill_chunk(spec) if exact else 0),
+            "prefill": _prefill(c, d, lay, b, p, w, cap, prefill_chunk(spec), exact),
             "round": _round(c, d, lay, b, t, cap, w, exact),
         },
     )

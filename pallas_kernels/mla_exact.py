@@ -69,6 +69,17 @@ def chunk_len(latent_dim: int) -> int:
     return CHUNK if latent_dim <= 256 else WIDE_CHUNK
 
 
+def query_rows(heads: int) -> int:
+    """Query rows of a segment program: the node's `heads` heads padded to a power of two of at least ROWS."""
+    return max(ROWS, pl.next_power_of_2(heads))
+
+
+def partial_bytes(tokens: int, length: int, heads: int, value_dim: int) -> int:
+    """Bytes of the segment kernel's partials for `tokens` query tokens of `heads` heads over a cache of `length`
+    slots: per token and segment, acc `[rows, value_dim]`, running max and sum `[rows]`, all f32."""
+    return tokens * pl.cdiv(length, SEGMENT) * query_rows(heads) * (value_dim + 2) * 4
+
+
 def _attend_segment(
     q_ref, kv_ref, acc_ref, m_ref, l_ref, prefix, last, tail, *, scale: float, value_dim: int, chunk: int
 ) -> None:
@@ -298,7 +309,7 @@ def _segment_partials(
         latent_cache = jnp.pad(latent_cache, ((0, 0), (0, -length % CHUNK), (0, 0)))
     length = latent_cache.shape[1]
     segments = pl.cdiv(length, SEGMENT)
-    rows = max(ROWS, pl.next_power_of_2(heads))
+    rows = query_rows(heads)
     if segments * b * n * rows * value_dim >= 2**31:  # Pallas-Triton addresses a buffer with int32 offsets
         raise ValueError(f"{segments} x {b} x {n} partials of {rows} x {value_dim}: more than int32 offsets reach")
     prefix = prefix_len.astype(jnp.int32)

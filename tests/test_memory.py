@@ -19,6 +19,7 @@ from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM, weight_table
 from ddtree_jax.sizing import drafter_params
 from experiments.common import RELEASED_CONFIGS
+from pallas_kernels import mla_exact
 
 
 def _leaf_bytes(x: jax.ShapeDtypeStruct) -> float:
@@ -80,15 +81,18 @@ def test_data_axis_splits_the_batch_and_tensor_the_heads() -> None:
     assert split.workspace["prefill"] < one.workspace["prefill"] and split.workspace["round"] < one.workspace["round"]
 
 
+CHUNK = engine.GenSpec("ar", 1, 1, 1).prefill_chunk  # the engine's default prefill chunk, which the plan uses
+
+
 def test_workspace_terms() -> None:
     # Prefill attention is chunked: scores grow as chunk x context, not prompt^2; a short (single-pass) prompt
     # pays prompt^2. The round term grows with the tree and the context.
     t, d = load_kimi_config(RELEASED_CONFIGS / "kimi-k2.6"), load_dflash_config(RELEASED_CONFIGS / "kimi-k2.5-dflash")
     p = memory.plan(t, d, batch=1, max_len=8192, method="ddtree", budget=16)
-    chunk_scores = 2 * 64 * memory.PREFILL_CHUNK * p.capacity * 4  # scores + probabilities [1, C, 64, cap] f32
+    chunk_scores = 2 * 64 * CHUNK * p.capacity * 4  # scores + probabilities [1, C, 64, cap] f32
     assert chunk_scores <= p.workspace["prefill"] < 2 * 64 * 8192**2 * 4
-    single = memory.plan(t, d, batch=1, max_len=8192, prompt_len=memory.PREFILL_CHUNK, method="ddtree", budget=16)
-    assert single.workspace["prefill"] >= 2 * 64 * memory.PREFILL_CHUNK**2 * 4
+    single = memory.plan(t, d, batch=1, max_len=8192, prompt_len=CHUNK, method="ddtree", budget=16)
+    assert single.workspace["prefill"] >= 2 * 64 * CHUNK**2 * 4
     short = memory.plan(t, d, batch=1, max_len=8192, prompt_len=128, method="ddtree", budget=16)
     assert short.workspace["prefill"] < single.workspace["prefill"] / 4
     bigger = memory.plan(t, d, batch=1, max_len=8192, prompt_len=1024, method="ddtree", budget=64)
@@ -164,17 +168,9 @@ def test_layout_from_spec() -> None:
         memory.Layout.from_spec("1,1,8")
 
 
-def test_prefill_chunk_matches_the_engine_default():
-    from ddtree_jax.engine import GenSpec
-
-    assert memory.PREFILL_CHUNK == GenSpec("ar", 1, 1, 1).prefill_chunk
-
-
 @pytest.mark.parametrize(("batch", "tokens", "cap"), [(1, 1, 128), (3, 17, 640)])
 def test_exact_partials_match_the_kernel(batch: int, tokens: int, cap: int) -> None:
     """The exact numerics' MLA partials term is the bytes the segment kernel writes for that many query tokens."""
-    from pallas_kernels import mla_exact
-
     cfg = tiny_kimi_config()
     heads = cfg.num_attention_heads
     q = jax.ShapeDtypeStruct((batch, tokens, heads, cfg.latent_dim), jnp.bfloat16)
@@ -184,14 +180,14 @@ def test_exact_partials_match_the_kernel(batch: int, tokens: int, cap: int) -> N
         mla_exact._segment_partials, scale=0.1, value_dim=cfg.kv_lora_rank, causal=True, interpret=True
     )
     acc, maxes, sums, _ = jax.eval_shape(lambda *a: run(*a, tree_mask=None), q, cache, prefix)
-    assert memory._exact_partials(cfg, heads, batch * tokens, cap) == sum(x.size * 4 for x in (acc, maxes, sums))
+    want = sum(x.size * 4 for x in (acc, maxes, sums))
+    assert mla_exact.partial_bytes(batch * tokens, cap, heads, cfg.kv_lora_rank) == want
 
 
 def test_exact_plan_counts_the_partials_and_chunks() -> None:
     target, dcfg = tiny_kimi_config(), tiny_dflash_config(tiny_kimi_config())
     kw = {"batch": 2, "max_len": 700, "prompt_len": 600, "method": "ddtree", "budget": 8}
     off, on = memory.plan(target, dcfg, **kw), memory.plan(target, dcfg, exact=True, **kw)
-    assert on.workspace["round"] - off.workspace["round"] == memory._exact_partials(
-        target, target.num_attention_heads, 2 * on.tree_size, on.capacity
-    )
+    partials = mla_exact.partial_bytes(2 * on.tree_size, on.capacity, target.num_attention_heads, target.kv_lora_rank)
+    assert on.workspace["round"] - off.workspace["round"] == partials
     assert on.workspace["prefill"] != off.workspace["prefill"] and on.total > off.total
