@@ -4,8 +4,9 @@
 # loop of one load per segment before the weighted sums). Batch-1 `ar` and `ddtree` b16 at context 1024 (5 segments
 # of the exact kernel's 256), with and without the exact numerics. Run from the repo root on a GPU machine, $OUT set:
 #   bash experiments/ab_merged_latency.sh
-# Needs ab_base/mla_exact.py (untracked): made here from `git show main:pallas_kernels/mla_exact.py` where git and
-# the branch main are at hand, else it must travel with the tree. Each run is capped at 100 s (about 5 minutes in
+# Needs ab_base/mla_exact.py (untracked), the baseline kernel: it travels with the tree, else it is made here from
+# `git show main:pallas_kernels/mla_exact.py` where git and the branch main are at hand. Each run is capped at
+# 100 s (about 5 minutes in
 # all). $OUT/r.tgz holds the three breakdown records (.json, .md) and each run's log.
 set -u
 export TF_CPP_MIN_LOG_LEVEL=1 PYTHONUNBUFFERED=1
@@ -13,7 +14,7 @@ export TF_CPP_MIN_LOG_LEVEL=1 PYTHONUNBUFFERED=1
 ROOT=$(pwd)
 R=$OUT/r
 mkdir -p "$R" "$ROOT/ab_base"
-if git -C "$ROOT" rev-parse --verify -q main >/dev/null 2>&1; then
+if [ ! -s "$ROOT/ab_base/mla_exact.py" ] && git -C "$ROOT" rev-parse --verify -q main >/dev/null 2>&1; then
   git -C "$ROOT" show main:pallas_kernels/mla_exact.py >"$ROOT/ab_base/mla_exact.py" || exit 1
 fi
 if [ ! -s "$ROOT/ab_base/mla_exact.py" ]; then
