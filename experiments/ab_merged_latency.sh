@@ -6,8 +6,7 @@
 #   bash experiments/ab_merged_latency.sh
 # Needs ab_base/mla_exact.py (untracked), the baseline kernel: it travels with the tree, else it is made here from
 # `git show main:pallas_kernels/mla_exact.py` where git and the branch main are at hand. Each run is capped at
-# 100 s (about 5 minutes in
-# all). $OUT/r.tgz holds the three breakdown records (.json, .md) and each run's log.
+# 100 s (about 5 minutes in all). $OUT/r.tgz holds the three breakdown records (.json, .md) and each run's log.
 set -u
 export TF_CPP_MIN_LOG_LEVEL=1 PYTHONUNBUFFERED=1
 : "${OUT:?set OUT to the results folder}"
