@@ -1,4 +1,4 @@
-"""Shared test fixtures: tiny Kimi configs in both layouts."""
+"""Shared test fixtures: tiny Kimi configs in both layouts, a tiny drafter with its inputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from ddtree_jax.config import DFlashConfig, KimiConfig, QuantConfig, YarnConfig
 
@@ -119,3 +122,22 @@ def tiny_dflash_config(target: KimiConfig, block_size: int = 4, **overrides) -> 
         yarn_attention_factor=1.4158883083359672,
     )
     return dataclasses.replace(cfg, **overrides)
+
+
+def tiny_drafter_and_inputs(rng: np.random.Generator, dtype, **overrides):
+    """A 2-layer drafter of head dim 32 (the attention kernel's least; `overrides` change its config), its cache
+    filled from 12 context tokens, and a block for rows whose contexts are 0, 5 and 12 tokens: (drafter, its call's
+    arguments)."""
+    from ddtree_jax.models.dflash import DFlashDrafter
+
+    cfg = tiny_dflash_config(tiny_kimi_config(vocab_size=128), head_dim=32, **overrides)  # 2 target layers
+    drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 20))), dtype=dtype)
+    b, ctx = 3, 12
+    feats = jnp.asarray(rng.standard_normal((b, ctx, 2 * cfg.hidden_size)), dtype)
+    cache_len = jnp.asarray([0, 5, ctx], jnp.int32)
+    cache = drafter.append_context(
+        drafter.init_cache(b, 16), feats, jnp.arange(ctx)[None].repeat(b, 0), jnp.zeros((b,), jnp.int32)
+    )
+    embeds = jnp.asarray(rng.standard_normal((b, cfg.block_size, cfg.hidden_size)), dtype)
+    positions = cache_len[:, None] + jnp.arange(cfg.block_size)[None, :]
+    return drafter, (embeds, positions, cache, cache_len)

@@ -11,11 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_dflash_config, tiny_kimi_config
-from flax import nnx
+from conftest import tiny_drafter_and_inputs
 
 from ddtree_jax.models import layers
-from ddtree_jax.models.dflash import DFlashDrafter
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
 from pallas_kernels.drafter_attention import drafter_attention_pallas, project_in_kernel, unsupported
@@ -214,26 +212,10 @@ def test_every_mode_selects_the_drafter_attention_op():
     assert Kernels.from_env({"DDTREE_KERNELS": "reference"}).drafter_attention == "reference"
 
 
-def drafter_and_inputs(rng: np.random.Generator, dtype):
-    """A 2-layer drafter of head dim 32 (the kernel's least), its cache filled from 12 context tokens, and a block
-    for rows whose contexts are 0, 5 and 12 tokens."""
-    cfg = tiny_dflash_config(tiny_kimi_config(vocab_size=128), head_dim=32)  # 2 target layers: 2 x hidden
-    drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 20))), dtype=dtype)
-    b, ctx = 3, 12
-    feats = jnp.asarray(rng.standard_normal((b, ctx, 2 * cfg.hidden_size)), dtype)
-    cache_len = jnp.asarray([0, 5, ctx], jnp.int32)
-    cache = drafter.append_context(
-        drafter.init_cache(b, 16), feats, jnp.arange(ctx)[None].repeat(b, 0), jnp.zeros((b,), jnp.int32)
-    )
-    embeds = jnp.asarray(rng.standard_normal((b, cfg.block_size, cfg.hidden_size)), dtype)
-    positions = cache_len[:, None] + jnp.arange(cfg.block_size)[None, :]
-    return drafter, (embeds, positions, cache, cache_len)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_drafter_output_is_the_same_through_the_kernel(dtype):
     """The drafter with its attention blocks in the kernel (interpret mode) against the reference blocks."""
-    drafter, args = drafter_and_inputs(np.random.default_rng(), dtype)
+    drafter, args = tiny_drafter_and_inputs(np.random.default_rng(), dtype)
     out = {mode: drafter(*args, kernels=Kernels().with_mode(mode, "drafter_attention")) for mode in MODES}
     got, want = out["interpret"], out["reference"]
     assert got.dtype == dtype and np.isfinite(np.asarray(got, np.float32)).all()

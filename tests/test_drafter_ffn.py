@@ -10,11 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_dflash_config, tiny_kimi_config
-from flax import nnx
+from conftest import tiny_drafter_and_inputs
 
 from ddtree_jax.models import layers
-from ddtree_jax.models.dflash import DFlashDrafter
 from pallas_kernels import dispatch, drafter_ffn
 from pallas_kernels.dispatch import Kernels
 from pallas_kernels.drafter_ffn import drafter_ffn_pallas, unsupported
@@ -143,18 +141,7 @@ def test_kernel_gradient_is_the_references():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_drafter_output_is_the_same_through_the_kernel(dtype):
     """A 2-layer drafter (inner 128) with its FFN blocks in the kernel (interpret mode) against the reference."""
-    rng = np.random.default_rng()
-    cfg = tiny_dflash_config(tiny_kimi_config(vocab_size=128), head_dim=32, intermediate_size=128)
-    drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(1), dtype=dtype)
-    b, ctx = 3, 12
-    feats = jnp.asarray(rng.standard_normal((b, ctx, 2 * cfg.hidden_size)), dtype)
-    cache_len = jnp.asarray([0, 5, ctx], jnp.int32)
-    cache = drafter.append_context(
-        drafter.init_cache(b, 16), feats, jnp.arange(ctx)[None].repeat(b, 0), jnp.zeros((b,), jnp.int32)
-    )
-    embeds = jnp.asarray(rng.standard_normal((b, cfg.block_size, cfg.hidden_size)), dtype)
-    positions = cache_len[:, None] + jnp.arange(cfg.block_size)[None, :]
-    args = (embeds, positions, cache, cache_len)
+    drafter, args = tiny_drafter_and_inputs(np.random.default_rng(), dtype, intermediate_size=128)
     out = {mode: drafter(*args, kernels=Kernels().with_mode(mode, "drafter_ffn")) for mode in MODES}
     got, want = out["interpret"], out["reference"]
     assert got.dtype == dtype and np.isfinite(np.asarray(got, np.float32)).all()
