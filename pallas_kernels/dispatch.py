@@ -359,9 +359,9 @@ _drafter_attention_kernel.defvjp(_drafter_attention_fwd, _drafter_attention_bwd)
 
 def drafter_ffn(kernels: Kernels, x: jax.Array, weights: reference.DrafterFFNWeights, eps: float) -> jax.Array:
     """A drafter layer's feed-forward block before its residual: x `[..., H]` -> `[..., H]` f32, see
-    `reference.drafter_ffn_reference`. The Pallas kernel (`drafter_ffn.py`) is one launch, then one XLA fusion sums
-    its partials (and takes the caller's rounding and residual add); it takes small drafters only, `auto` runs the
-    reference for others. Its gradient is the reference's, so the drafter trains through either."""
+    `reference.drafter_ffn_reference`. The Pallas kernel (`drafter_ffn.py`) is one launch, then XLA sums its
+    partials; it takes small drafters only, `auto` runs the reference for others. Its gradient is the reference's,
+    so the drafter trains through either."""
     from pallas_kernels.drafter_ffn import unsupported
 
     impl = _choose("drafter_ffn", kernels.drafter_ffn, True, unsupported(x, weights))
@@ -371,18 +371,18 @@ def drafter_ffn(kernels: Kernels, x: jax.Array, weights: reference.DrafterFFNWei
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _drafter_ffn_kernel(x, weights, eps: float, impl: str):
+def _drafter_ffn_kernel(x: jax.Array, weights: reference.DrafterFFNWeights, eps: float, impl: str) -> jax.Array:
     """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the reference."""
     from pallas_kernels.drafter_ffn import drafter_ffn_pallas
 
     return drafter_ffn_pallas(x, weights, eps, interpret=impl == "interpret")
 
 
-def _drafter_ffn_fwd(x, weights, eps: float, impl: str):
+def _drafter_ffn_fwd(x: jax.Array, weights: reference.DrafterFFNWeights, eps: float, impl: str):
     return _drafter_ffn_kernel(x, weights, eps, impl), (x, weights)
 
 
-def _drafter_ffn_bwd(eps: float, impl: str, residuals, grad):
+def _drafter_ffn_bwd(eps: float, impl: str, residuals: tuple, grad: jax.Array):
     _, vjp = jax.vjp(lambda x, w: reference.drafter_ffn_reference(x, w, eps), *residuals)
     return vjp(grad)
 
