@@ -11,7 +11,7 @@ device on `expert`. The same jitted engine runs on sharded arrays; only these pl
   local log-Z per shard, two all-gathers of `[B, D, tensor * K]` at most, a global merge).
 * `mla_output`, `drafter_attention`: the attention kernels per device on their own heads (a custom call GSPMD
   cannot split; MLA's takes its W_UV product's weight too, the drafter's its layer's projection weights, split by
-  heads). `drafter_ffn`: the drafter's feed-forward kernel per device on its inner columns, then one psum.
+  heads).
 Everything else (the head-parallel projections, dense / shared FFN, the vocab-parallel lm_head, the greedy
 argmax) is left to XLA's GSPMD partitioner, which inserts the all-reduces the shardings imply.
 
@@ -47,7 +47,7 @@ from ddtree_jax import topk
 from ddtree_jax.mesh_spec import MESH_AXES, MeshSpecError, parse_mesh_spec
 from ddtree_jax.models.params import ParamPath, WeightSpec, param_table
 from pallas_kernels import dispatch
-from pallas_kernels.reference import DrafterAttentionWeights, DrafterFFNWeights
+from pallas_kernels.reference import DrafterAttentionWeights
 
 # Logical axis -> mesh axes. The one place that says which mesh axis splits what.
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -259,27 +259,6 @@ def drafter_attention(
         out_specs=PartitionSpec(batch, None, heads, None),
         check_vma=False,  # as in moe_swiglu
     )(x, weights, ctx_k, ctx_v, ctx_len, cos, sin)
-
-
-def drafter_ffn(kernels: dispatch.Kernels, x: jax.Array, weights: DrafterFFNWeights, eps: float) -> jax.Array:
-    """`dispatch.drafter_ffn` (x `[B, S, H]` -> the feed-forward output `[B, S, H]` f32, before the residual), run
-    per device on its inner columns under the active mesh: gate's and up's columns and down's rows split over
-    `ffn`, rows over `data`, the norm replicated; each device's f32 result is summed over `ffn` (one psum)."""
-    mesh = _active
-    if mesh is None:
-        return dispatch.drafter_ffn(kernels, x, weights, eps)
-    batch, ffn = LOGICAL_AXES["batch"], LOGICAL_AXES["ffn"]
-    rows = PartitionSpec(batch, None, None)
-    split = DrafterFFNWeights(
-        PartitionSpec(None), PartitionSpec(None, ffn), PartitionSpec(None, ffn), PartitionSpec(ffn, None)
-    )
-    return jax.shard_map(
-        lambda x, w: jax.lax.psum(dispatch.drafter_ffn(kernels, x, w, eps), ffn),
-        mesh=mesh,
-        in_specs=(rows, split),
-        out_specs=rows,
-        check_vma=False,  # as in moe_swiglu
-    )(x, weights)
 
 
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------

@@ -19,11 +19,10 @@
 #   and (STAGES=layer_profile) one dense + one MoE Kimi K2.6 layer at full size, single GPU and one rank of 8: an AR
 #   step and DDTree b8/b16 rounds at B 1 and 8 timed in loops that carry the whole state, device time, kernels and
 #   bytes per piece of each layer against a copy rate timed in the same run (layer_profile; issue 32)
-#   and (STAGES=drafter) the drafter FFN kernel compiled against its reference (check_drafter_ffn), then breakdown at
-#   32 rows with and without it (every kernel of a round in both records, --top_kernels=400), (STAGES=drafter_bench)
-#   the drafter's forward alone, bench_drafter: the K2.5 drafter at 2K and 8K allocations, and (STAGES=drafter_mini)
-#   the shipped pair's at 32 rows with the block's projections in the kernel and in XLA (issue 37; about 5 + 3 + 2
-#   min)
+#   and (STAGES=drafter) breakdown at 32 rows with and without the drafter attention kernel (every kernel of a round
+#   in the kernel's record, --top_kernels=400) and with the kernel's projections in XLA, (STAGES=drafter_bench) the
+#   drafter's forward alone, bench_drafter: the K2.5 drafter at 2K and 8K allocations, and (STAGES=drafter_mini) the
+#   shipped pair's at 32 rows with the block's projections in the kernel and in XLA (issue 37; about 5 + 3 + 2 min)
 #   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 4 min)
 #   and (STAGES=exact_segments) breakdown with the exact numerics at context 1024, batch 1 and 32, for exact MLA
 #   segments of EXACT_SEGMENTS positions (64-1024; issue 34; about 9 min, 100-120 s a run: two calls, e.g.
@@ -123,12 +122,12 @@ want drafter_mini && stage bench_drafter_mini 90 "$PY" -m experiments.bench_draf
 want drafter_mini && stage bench_drafter_mini_xla 60 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
   --drafter_config=checkpoints/kimi-mini-dflash --modes=pallas --concurrency=32 --allocations=256,2048 \
   --projections=xla --name=bench_drafter_mini_xla_projections
-want drafter && stage check_drafter_ffn 60 "$PY" -m experiments.check_drafter_ffn
-want drafter && DDTREE_KERNELS=auto,drafter_ffn=reference stage breakdown_ref 120 "$PY" -m experiments.breakdown \
-  --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --noexact --top_kernels=400 \
-  --name=breakdown_c32_drafter_ffn_reference
+want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_ref 120 "$PY" -m experiments.breakdown \
+  --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --noexact --name=breakdown_c32_drafter_reference
 want drafter && stage breakdown_c32 120 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
   --budgets=8 --concurrency=32 --noexact --top_kernels=400 --name=breakdown_c32
+want drafter && stage breakdown_c32_xla 120 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
+  --budgets=8 --concurrency=32 --noexact --projections=xla --name=breakdown_c32_xla_projections
 # Exact numerics (issue 34): layer by layer, decode steps vs block / tree / batch, with and without; then the same
 # ragged requests at batch 1/8/32 as every method, compared with batch-1 ar, and tokens/s on vs off.
 want exact_check && stage exact_probe 70 "$PY" -m experiments.exact_probe --out_dir="$RES"

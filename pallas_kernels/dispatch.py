@@ -1,13 +1,13 @@
 """The one dispatch point between models and kernels, and the kernel selection as one value.
 
 `Kernels` says which implementation each op runs: `moe_swiglu`, `mla_attention`, `build_tree`, `drafter_attention`,
-`drafter_ffn`, `matmul` and `rms_norm` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference
-elsewhere), "reference", "pallas" or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a
-CPU). For MLA attention in Pallas mode `mla_kernel` picks the Pallas-Triton kernel (`mla_attention.py`, any head
-dim) or the Mosaic GPU one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or
-"auto" (Mosaic on a Hopper GPU for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer).
-`mla_tiling` is the Mosaic kernel's tiling (None: the default `MosaicMLAConfig()`), and `topk_chunk` the row length
-of the chunk-wise exact top-k of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
+`matmul` and `rms_norm` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference elsewhere), "reference",
+"pallas" or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a CPU). For MLA attention in
+Pallas mode `mla_kernel` picks the Pallas-Triton kernel (`mla_attention.py`, any head dim) or the Mosaic GPU one
+(`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or "auto" (Mosaic on a Hopper GPU
+for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic
+kernel's tiling (None: the default `MosaicMLAConfig()`), and `topk_chunk` the row length of the chunk-wise exact top-k
+of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
 `exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `head_matmul`) run the
 row-invariant kernels of `exact_matmul.py` under the `matmul` mode, its RMS norms the row-invariant kernel of
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from pallas_kernels.mla_mosaic import MosaicMLAConfig
 
 MODES = ("auto", "reference", "pallas", "interpret")
-OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "drafter_ffn", "matmul", "rms_norm")
+OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "matmul", "rms_norm")
 MLA_KERNELS = ("auto", "triton", "mosaic")
 MOSAIC_MIN_ROWS = 64
 TOPK_CHUNK = 512
@@ -61,7 +61,6 @@ class Kernels:
     mla_attention: str = "auto"
     build_tree: str = "auto"
     drafter_attention: str = "auto"
-    drafter_ffn: str = "auto"
     matmul: str = "auto"
     rms_norm: str = "auto"
     mla_kernel: str = "auto"
@@ -355,39 +354,6 @@ def _drafter_attention_bwd(layer, eps, scale, impl: str, residuals, grad):
 
 
 _drafter_attention_kernel.defvjp(_drafter_attention_fwd, _drafter_attention_bwd)
-
-
-def drafter_ffn(kernels: Kernels, x: jax.Array, weights: reference.DrafterFFNWeights, eps: float) -> jax.Array:
-    """A drafter layer's feed-forward block before its residual: x `[..., H]` -> `[..., H]` f32, see
-    `reference.drafter_ffn_reference`. The Pallas kernel (`drafter_ffn.py`) is one launch, then XLA sums its
-    partials; it takes small drafters only, `auto` runs the reference for others. Its gradient is the reference's,
-    so the drafter trains through either."""
-    from pallas_kernels.drafter_ffn import unsupported
-
-    impl = _choose("drafter_ffn", kernels.drafter_ffn, True, unsupported(x, weights))
-    if impl != "reference":
-        return _drafter_ffn_kernel(x, weights, float(eps), impl)
-    return reference.drafter_ffn_reference(x, weights, eps)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _drafter_ffn_kernel(x: jax.Array, weights: reference.DrafterFFNWeights, eps: float, impl: str) -> jax.Array:
-    """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the reference."""
-    from pallas_kernels.drafter_ffn import drafter_ffn_pallas
-
-    return drafter_ffn_pallas(x, weights, eps, interpret=impl == "interpret")
-
-
-def _drafter_ffn_fwd(x: jax.Array, weights: reference.DrafterFFNWeights, eps: float, impl: str):
-    return _drafter_ffn_kernel(x, weights, eps, impl), (x, weights)
-
-
-def _drafter_ffn_bwd(eps: float, impl: str, residuals: tuple, grad: jax.Array):
-    _, vjp = jax.vjp(lambda x, w: reference.drafter_ffn_reference(x, w, eps), *residuals)
-    return vjp(grad)
-
-
-_drafter_ffn_kernel.defvjp(_drafter_ffn_fwd, _drafter_ffn_bwd)
 
 
 def _moe_kernel():

@@ -199,28 +199,21 @@ def _merged_kernel(live_ref, acc_ref, m_ref, l_ref, w_ref, o_ref, *, tokens: int
     product with the head's W_UV.
 
     live_ref `[BLOCK_M]` int32 (segments each token reaches, >= 1); acc_ref `[S, BLOCK_M, C]` f32, m_ref and l_ref
-    `[Sp, BLOCK_M]` f32 (the head's partials; Sp: S rounded up to a power of two, the size of a Triton tensor, its
-    rows past S never read); w_ref `[V, C]`; o_ref `[BLOCK_M, V]` f32. Tokens at or past `tokens` (the last tile's
-    overhang) are not read and never stored.
-
-    The running max over a token's segments comes from one `[Sp, BLOCK_M]` load of the maxes, issued beside the live
-    counts (masked by the tile's rows and S only: it waits on no other load), whose entries past a token's live
-    count (never written: any bits) are replaced by the max's start before the maximum over the tile, exact in any
-    order. The weighted sums then walk the segments in ascending order as before: each step loads its segment's max,
-    sum and acc tiles, masked to the tokens that reach it (the others load exact zeros), and no step's loads depend
-    on an earlier step's.
+    `[S, BLOCK_M]` f32 (the head's partials); w_ref `[V, C]`; o_ref `[BLOCK_M, V]` f32. Tokens at or past `tokens`
+    (the last tile's overhang) and segments at or past a token's live count load as `other` and are never stored.
     """
     row_ok = pl.program_id(1) * BLOCK_M + jnp.arange(BLOCK_M, dtype=jnp.int32) < tokens
     live = pltriton.load(live_ref, mask=row_ok, other=1)
-    seg = jnp.arange(m_ref.shape[0], dtype=jnp.int32)[:, None]  # `[Sp, 1]`
-    maxes = pltriton.load(m_ref, mask=row_ok[None, :] & (seg < acc_ref.shape[0]), other=_NEG_INIT)
     n_seg = jnp.max(live)  # the tile's longest walk; shorter ones add exact zeros past their own
     n_tiles = acc_ref.shape[-1] // block_k
-    reach = row_ok[None, :] & (seg < live[None, :])  # `[Sp, BLOCK_M]`: the segments each token merges
-    m_max = jnp.maximum(jnp.max(jnp.where(reach, maxes, _NEG_INIT), axis=0), _NEG_INIT)
 
     def max_load(s, ok):
         return pltriton.load(m_ref.at[s], mask=ok, other=_NEG_INIT)
+
+    def top(s, m_max):
+        return jnp.maximum(m_max, max_load(s, row_ok & (s < live)))
+
+    m_max = lax.fori_loop(0, n_seg, top, jnp.full((BLOCK_M,), _NEG_INIT, jnp.float32))
 
     def add(s, carry):
         l_sum, v = carry
@@ -253,9 +246,9 @@ def merged_value_matmul(
     the call nor on S.
 
     acc `[S, T, R, C]` f32, maxes and sums `[S, T, R]` f32 (running maxes, log2 units; sums of exponentials), live
-    `[T]` int32 (segments each token reaches, >= 1: those past it do not count, whatever their bits; only their
-    maxes are read, and discarded), w_uv `[Hq, V, C]` (Hq <= R; C a multiple of the K step of `exact_matmul.tiling`)
-    -> `[T, Hq, V]` f32. V is zero-padded to a power of two of at least 16 (a copy) where it is not one.
+    `[T]` int32 (segments each token reaches, >= 1: those past it are not read), w_uv `[Hq, V, C]` (Hq <= R; C a
+    multiple of the K step of `exact_matmul.tiling`) -> `[T, Hq, V]` f32. V is zero-padded to a power of two of at
+    least 16 (a copy) where it is not one.
     """
     segments, tokens, rows, c = acc.shape
     heads, v, _ = w_uv.shape
@@ -266,7 +259,7 @@ def merged_value_matmul(
         raise ValueError(f"latent width {c} is not a multiple of the product's K step {block_k}")
     vp = max(MIN_DIM, pl.next_power_of_2(v))
     w = jnp.pad(w_uv, ((0, 0), (0, vp - v), (0, 0)))
-    stats = pl.BlockSpec((pl.next_power_of_2(segments), BLOCK_M, None), lambda h, i: (0, i, h))  # rows past S: masked
+    stats = pl.BlockSpec((segments, BLOCK_M, None), lambda h, i: (0, i, h))
     o = pl.pallas_call(
         functools.partial(_merged_kernel, tokens=tokens, block_k=block_k),
         grid=(heads, pl.cdiv(tokens, BLOCK_M)),

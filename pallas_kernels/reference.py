@@ -6,7 +6,6 @@ Kernels (and these references) know nothing of models: they take arrays.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -189,34 +188,6 @@ class DrafterAttentionWeights(NamedTuple):
     q_norm: jax.Array
     k_norm: jax.Array
     kv_proj: jax.Array
-
-
-class DrafterFFNWeights(NamedTuple):
-    """One drafter layer's feed-forward weights: norm `[H]` (the post-attention RMS norm), gate and up `[H, I]`,
-    down `[I, H]`."""
-
-    norm: jax.Array
-    gate: jax.Array
-    up: jax.Array
-    down: jax.Array
-
-
-def swiglu_f32(
-    x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, matmul: Callable[..., jax.Array] = jnp.dot
-) -> jax.Array:
-    """down(silu(x @ gate) * (x @ up)) `[..., H]` in f32, not rounded: weights `[in, out]`, the products accumulated
-    in f32, the SwiGLU rounded to x.dtype before down (also the models' `layers.swiglu`, which rounds the result).
-    `matmul(a, b, preferred_element_type=)` computes the three products (default `jnp.dot`)."""
-    g = matmul(x, gate, preferred_element_type=jnp.float32)
-    u = matmul(x, up, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(g) * u).astype(x.dtype)
-    return matmul(h, down, preferred_element_type=jnp.float32)
-
-
-def drafter_ffn_reference(x: jax.Array, w: DrafterFFNWeights, eps: float) -> jax.Array:
-    """A drafter layer's feed-forward output before the residual: swiglu_f32(rms_norm(x, w.norm)) for x `[..., H]`
-    -> `[..., H]` f32 (the caller rounds it and adds x)."""
-    return swiglu_f32(rms_norm(x, w.norm, eps), w.gate, w.up, w.down)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

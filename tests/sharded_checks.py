@@ -33,9 +33,8 @@ BATCH, PROMPT, NEW, BUDGET = 2, 6, 16, 8
 
 def pair() -> tuple[KimiForCausalLM, DFlashDrafter]:
     target = KimiForCausalLM(CFG, rngs=nnx.Rngs(3), dtype=jnp.float32)
-    # KV heads split over tensor <= 4; head dim 32, the attention kernel's least; inner size 128, whose quarter (32)
-    # is a whole FFN kernel tile
-    drafter_cfg = tiny_dflash_config(CFG, num_key_value_heads=4, head_dim=32, intermediate_size=128)
+    # KV heads split over tensor <= 4; head dim 32, the drafter kernel's least
+    drafter_cfg = tiny_dflash_config(CFG, num_key_value_heads=4, head_dim=32)
     return target, DFlashDrafter(drafter_cfg, rngs=nnx.Rngs(4), dtype=jnp.float32)
 
 
@@ -61,9 +60,8 @@ def generate_ar(target: KimiForCausalLM, prompts: np.ndarray, plen: np.ndarray) 
 
 
 def drafter_hidden(drafter: DFlashDrafter, mode: str) -> np.ndarray:
-    """The drafter's output `[B, S, H]` on fixed inputs (context lengths 0 and 7 of 16 slots), its attention and FFN
-    run in `mode` (under the active mesh: the attention per device on its heads, `sharding.drafter_attention`, the
-    FFN per device on its inner columns, `sharding.drafter_ffn`)."""
+    """The drafter's output `[B, S, H]` on fixed inputs (context lengths 0 and 7 of 16 slots), its attention run in
+    `mode` (under the active mesh: per device on its heads, `sharding.drafter_attention`)."""
     c, b, ctx = drafter.config, 2, 10
     rng = np.random.default_rng(6)
     feats = jnp.asarray(rng.standard_normal((b, ctx, len(c.target_layer_ids) * c.hidden_size)), jnp.float32)
@@ -78,7 +76,7 @@ def drafter_hidden(drafter: DFlashDrafter, mode: str) -> np.ndarray:
             d.init_cache(b, 16), feats, jnp.arange(ctx)[None].repeat(b, 0), jnp.zeros((b,), jnp.int32)
         )
         positions = cache_len[:, None] + jnp.arange(c.block_size)[None, :]
-        return d(embeds, positions, cache, cache_len, Kernels().with_mode(mode))
+        return d(embeds, positions, cache, cache_len, Kernels().with_mode(mode, op="drafter_attention"))
 
     return np.asarray(run(state))
 

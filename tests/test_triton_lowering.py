@@ -12,11 +12,10 @@ import pytest
 
 from experiments.mla_common import abstract_inputs, lower_for_h200
 from pallas_kernels.drafter_attention import drafter_attention_pallas
-from pallas_kernels.drafter_ffn import drafter_ffn_partials
 from pallas_kernels.exact_matmul import head_matmul_pallas, matmul_pallas
 from pallas_kernels.mla_attention import mla_attention_pallas
 from pallas_kernels.mla_exact import mla_output_exact
-from pallas_kernels.reference import DrafterAttentionWeights, DrafterFFNWeights
+from pallas_kernels.reference import DrafterAttentionWeights
 from pallas_kernels.tree_build import build_tree_pallas
 
 
@@ -113,30 +112,6 @@ def test_drafter_attention_kernel_multiplies_float32_in_float32(dtype):
         found = dot_precisions(jax.make_jaxpr(drafter)(*drafter_inputs(2, 256, dtype, k26=False)).jaxpr)
     highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
     assert found and (all(highest) if dtype == jnp.float32 else not any(highest))
-
-
-def drafter_ffn_inputs(rows: int, dtype) -> tuple:
-    """The mini drafter's FFN (hidden 256, inner 1536) on `rows` rows."""
-    sizes = [(256,), (256, 1536), (256, 1536), (1536, 256)]
-    return spec((rows, 256), dtype), DrafterFFNWeights(*(spec(size, dtype) for size in sizes))
-
-
-def drafter_ffn(x, weights):
-    return drafter_ffn_partials(x, weights, 1e-6)
-
-
-@pytest.mark.parametrize(("rows", "dtype"), [(8, jnp.bfloat16), (256, jnp.bfloat16), (100, jnp.float32)])
-def test_drafter_ffn_kernel_lowers(rows, dtype):
-    text = lower_for_h200(drafter_ffn, *drafter_ffn_inputs(rows, dtype))
-    assert "__gpu$xla.gpu.triton" in text and "drafter_ffn" in text
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_drafter_ffn_kernel_multiplies_float32_in_float32(dtype):
-    with jax.default_matmul_precision("default"):
-        found = dot_precisions(jax.make_jaxpr(drafter_ffn)(*drafter_ffn_inputs(16, dtype)).jaxpr)
-    highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
-    assert len(found) == 3 and (all(highest) if dtype == jnp.float32 else not any(highest))
 
 
 # K2.6's dense products: q_a_proj, kv_a_proj (576 columns), the f32 router (384 experts), lm_head.

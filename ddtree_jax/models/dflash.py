@@ -25,7 +25,7 @@ from ddtree_jax.models.kimi import DenseMLP, norm_spec
 from ddtree_jax.models.layers import rms_norm, rope_cos_sin, rope_half, yarn_inv_freq
 from ddtree_jax.models.params import ParamPath, WeightSpec, init_params, param_table
 from pallas_kernels.dispatch import Kernels
-from pallas_kernels.reference import DrafterAttentionWeights, DrafterFFNWeights
+from pallas_kernels.reference import DrafterAttentionWeights
 
 
 class DrafterCache(NamedTuple):
@@ -133,9 +133,8 @@ class DFlashDrafter(nnx.Module):
         context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`. Each layer's
         attention block, from its input norm to the attention output, is one `sharding.drafter_attention` (one
         kernel launch on a GPU; the RoPE tables of the block's positions are computed once for all layers), then
-        o_proj, and the FFN from its norm to its output as one `sharding.drafter_ffn` (for a small drafter on a GPU,
-        one kernel launch and one fusion that sums its partials and adds the residual). kernels: the kernel
-        selection (None: `Kernels.from_env()`; the engine passes its `GenSpec.kernels`)."""
+        o_proj and the FFN. kernels: the kernel selection (None: `Kernels.from_env()`; the engine passes its
+        `GenSpec.kernels`)."""
         kernels = Kernels.or_env(kernels)
         c = self.config
         x = block_embeds * c.input_embedding_scale
@@ -149,11 +148,7 @@ class DFlashDrafter(nnx.Module):
             o = sharding.drafter_attention(kernels, x, weights, cache.k, cache.v, cache_len, cos, sin, **kw)
             o = o.reshape(b, s, c.num_attention_heads * c.head_dim)
             x = x + jnp.dot(o, layer.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype)
-            mlp = layer.mlp
-            ffn = DrafterFFNWeights(
-                layer.post_attention_layernorm[...], mlp.gate_proj[...], mlp.up_proj[...], mlp.down_proj[...]
-            )
-            x = x + sharding.drafter_ffn(kernels, x, ffn, c.rms_norm_eps).astype(x.dtype)
+            x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm[...], c.rms_norm_eps))
         return rms_norm(x, self.norm[...], c.rms_norm_eps)
 
 

@@ -164,8 +164,7 @@ class MLA(nnx.Module):
 
 
 class DenseMLP(nnx.Module):
-    """SwiGLU feed-forward (dense layer 0 and the shared expert; the drafter's layers hold their FFN weights in one
-    and run them through `sharding.drafter_ffn`)."""
+    """SwiGLU feed-forward (dense layer 0 and the shared expert)."""
 
     def param_specs(self) -> dict[str, WeightSpec]:
         """gate/up `[H, I]`, down `[I, H]`; the inner dim split over `ffn`."""
@@ -180,9 +179,10 @@ class DenseMLP(nnx.Module):
         self.hidden, self.inner, self.param_dtype = hidden, inner, dtype
         init_params(self, rngs)
 
-    def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
-        """x `[..., H]` -> `[..., H]`. kernels: the target's selection, its products through `dispatch.matmul`."""
-        matmul = functools.partial(dispatch.matmul, kernels)
+    def __call__(self, x: jax.Array, kernels: Kernels | None = None) -> jax.Array:
+        """x `[..., H]` -> `[..., H]`. kernels: the target's selection, its products through `dispatch.matmul`;
+        None: plain `jnp.dot` (the drafter's FFN)."""
+        matmul = jnp.dot if kernels is None else functools.partial(dispatch.matmul, kernels)
         with jax.named_scope("ffn"):
             return swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], matmul)
 

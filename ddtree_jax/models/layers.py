@@ -1,6 +1,5 @@
 """Shared building blocks: RMSNorm, YaRN RoPE tables, rotary embeddings (interleaved and rotate-half), SwiGLU. The
-norm, the rotate-half rotation and SwiGLU's products are `pallas_kernels.reference`'s, which the drafter's kernels
-match."""
+norm and the rotate-half rotation are `pallas_kernels.reference`'s, which the drafter's attention kernel matches."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import numpy as np
 
 from ddtree_jax.config import YarnConfig
 from pallas_kernels.reference import rms_norm as rms_norm  # one definition, the kernels' reference's
-from pallas_kernels.reference import rotate_half, swiglu_f32
+from pallas_kernels.reference import rotate_half
 
 
 def yarn_inv_freq(dim: int, theta: float, yarn: YarnConfig | None) -> np.ndarray:
@@ -67,9 +66,12 @@ def rope_half(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, amplitud
 def swiglu(
     x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, matmul: Callable[..., jax.Array] = jnp.dot
 ) -> jax.Array:
-    """down(silu(x @ gate) * (x @ up)) in x.dtype: `reference.swiglu_f32` rounded; weights `[in, out]`,
-    `matmul(a, b, preferred_element_type=)` computes the three products (default `jnp.dot`)."""
-    return swiglu_f32(x, gate, up, down, matmul).astype(x.dtype)
+    """down(silu(x @ gate) * (x @ up)); weights `[in, out]`, f32 accumulation, result in x.dtype. `matmul(a, b,
+    preferred_element_type=)` computes the three products (default `jnp.dot`)."""
+    g = matmul(x, gate, preferred_element_type=jnp.float32)
+    u = matmul(x, up, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    return matmul(h, down, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def causal_mask(batch: int, n: int) -> jax.Array:
