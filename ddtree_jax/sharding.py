@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
 from ddtree_jax import topk
 from ddtree_jax.mesh_spec import MESH_AXES, MeshSpecError, parse_mesh_spec
@@ -201,21 +202,22 @@ def mla_output(
     scale: float,
     value_dim: int = 512,
     causal: bool = False,
+    out_dtype: DTypeLike = jnp.float32,
 ) -> jax.Array:
     """`dispatch.mla_output` (q `[B, N, Hq, 576]`, cache `[B, L, 576]`, prefix_len `[B]`, mask `[B, N, N]`, w_uv
-    `[Hq, V, 512]` -> `[B, N, Hq, V]` f32), run per device on its heads under the active mesh: heads (of q, w_uv
-    and the output) split over `tensor`, rows over `data`, the latent cache whole on every head shard. No
+    `[Hq, V, 512]` -> `[B, N, Hq, V]` in out_dtype), run per device on its heads under the active mesh: heads (of q,
+    w_uv and the output) split over `tensor`, rows over `data`, the latent cache whole on every head shard. No
     collective: the kernels (custom calls GSPMD cannot split) see only local heads, and the o_proj all-reduce after
     them is GSPMD's."""
     mesh = _active
     args = (q, latent_cache, prefix_len, tree_mask, w_uv)
     if mesh is None:
-        return dispatch.mla_output(kernels, *args, scale, value_dim, causal)
+        return dispatch.mla_output(kernels, *args, scale, value_dim, causal, out_dtype)
     batch = LOGICAL_AXES["batch"]
     heads = PartitionSpec(batch, None, LOGICAL_AXES["heads"], None)
     rows = PartitionSpec(batch, None, None)
     return jax.shard_map(
-        lambda *a: dispatch.mla_output(kernels, *a, scale, value_dim, causal),
+        lambda *a: dispatch.mla_output(kernels, *a, scale, value_dim, causal, out_dtype),
         mesh=mesh,
         in_specs=(heads, rows, PartitionSpec(batch), rows, PartitionSpec(LOGICAL_AXES["heads"], None, None)),
         out_specs=heads,

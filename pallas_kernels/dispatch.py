@@ -204,13 +204,14 @@ def _invariant_matmul(
 
 
 def rms_norm(kernels: Kernels, x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMS norm of x `[..., H]` with gain `[H]` (`reference.rms_norm`); under `kernels.exact` the row-invariant
-    kernel (`exact_norm.rms_norm_pallas`) as the `rms_norm` mode selects."""
+    """RMS norm of x `[..., W]`'s first H columns (W >= H) with gain `[H]` -> `[..., H]` (`reference.rms_norm`);
+    under `kernels.exact` the row-invariant kernel (`exact_norm.rms_norm_pallas`, which reads those columns in
+    place) as the `rms_norm` mode selects."""
     if kernels.exact and (impl := _choose("rms_norm", kernels.rms_norm, True)) != "reference":
         from pallas_kernels.exact_norm import rms_norm_pallas
 
         return rms_norm_pallas(x, weight, eps, interpret=impl == "interpret")
-    return reference.rms_norm(x, weight, eps)
+    return reference.rms_norm(x[..., : weight.shape[0]], weight, eps)
 
 
 def normed_matmul(
@@ -239,16 +240,18 @@ def head_matmul(
     transposed: bool = False,
     preferred_element_type: DTypeLike | None = None,
 ) -> jax.Array:
-    """One product per head: x `[..., heads, K]` with w `[heads, K, N]` (transposed: `[heads, N, K]`) ->
-    `[..., heads, N]`, `jnp.einsum` of the two; under `kernels.exact` the row-invariant kernel
-    (`exact_matmul.head_matmul_pallas`) as the `matmul` mode selects, its reference being that same einsum."""
+    """One product per head: x `[..., heads, K']`'s first K columns (K' >= K) with w `[heads, K, N]` (transposed:
+    `[heads, N, K]`) -> `[..., heads, N]`, `jnp.einsum` of the two; under `kernels.exact` the row-invariant kernel
+    (`exact_matmul.head_matmul_pallas`, which reads those columns in place) as the `matmul` mode selects, its
+    reference being that same einsum."""
     if impl := _invariant_products(kernels):
         from pallas_kernels.exact_matmul import head_matmul_pallas
 
         out_dtype = preferred_element_type or jnp.result_type(x, w)
         return head_matmul_pallas(x, w, out_dtype, transposed=transposed, interpret=impl == "interpret")
     spec = "...hk,hnk->...hn" if transposed else "...hk,hkn->...hn"
-    return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+    k = w.shape[2] if transposed else w.shape[1]
+    return jnp.einsum(spec, x[..., :k], w, preferred_element_type=preferred_element_type)
 
 
 def mla_attention(kernels: Kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim=512, causal=False):
@@ -264,12 +267,22 @@ def mla_attention(kernels: Kernels, q, latent_cache, prefix_len, tree_mask, scal
 
 
 def mla_output(
-    kernels: Kernels, q, latent_cache, prefix_len, tree_mask, w_uv, scale, value_dim=512, causal=False
+    kernels: Kernels,
+    q,
+    latent_cache,
+    prefix_len,
+    tree_mask,
+    w_uv,
+    scale,
+    value_dim=512,
+    causal=False,
+    out_dtype: DTypeLike = jnp.float32,
 ) -> jax.Array:
     """Absorbed MLA attention times each head's W_UV: q `[B, N, Hq, Dk]`, latent_cache `[B, L, Dk]`, prefix_len
-    `[B]`, tree_mask `[B, N, N]`, w_uv `[Hq, V, value_dim]` -> `[B, N, Hq, V]` f32. `mla_attention` then
-    `head_matmul(..., transposed=True)` in f32, as their modes select; under `kernels.exact` with the
-    `mla_attention` mode not "reference", `mla_exact.mla_output_exact` (a node's result independent of the call;
+    `[B]`, tree_mask `[B, N, N]`, w_uv `[Hq, V, value_dim]` -> `[B, N, Hq, V]`, the f32 product rounded to
+    out_dtype. `mla_attention` then `head_matmul(..., transposed=True)` in f32, as their modes select; under
+    `kernels.exact` with the `mla_attention` mode not "reference", `mla_exact.mla_output_exact` (a node's result
+    independent of the call;
     the segments' merge inside the W_UV product's kernel), which reads a causal block (`causal`: tree_mask is the
     causal mask) straight from the cache."""
     if kernels.exact:
@@ -278,9 +291,9 @@ def mla_output(
             from pallas_kernels.mla_exact import mla_output_exact
 
             args = (q, latent_cache, prefix_len, tree_mask, w_uv, scale, value_dim)
-            return mla_output_exact(*args, causal=causal, interpret=impl == "interpret")
+            return mla_output_exact(*args, causal=causal, out_dtype=out_dtype, interpret=impl == "interpret")
     o_lat = mla_attention(kernels, q, latent_cache, prefix_len, tree_mask, scale, value_dim, causal)
-    return head_matmul(kernels, o_lat, w_uv, transposed=True, preferred_element_type=jnp.float32)
+    return head_matmul(kernels, o_lat, w_uv, transposed=True, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def build_tree(kernels: Kernels, lp_k, ids_k, root, budget: int, reference):

@@ -74,18 +74,20 @@ def ieee_dot(dtype: DTypeLike):
     return functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _kernel(x_ref, w_ref, *refs, rows: int, tile: Tiling, transposed: bool, norm: tuple[int, float] | None) -> None:
-    """One (head, row tile, column tile) program: o[:, n0:n0 + block_n] = x @ w[:, n0:n0 + block_n], x first
+def _kernel(
+    x_ref, w_ref, *refs, rows: int, k: int, tile: Tiling, transposed: bool, norm: tuple[int, float] | None
+) -> None:
+    """One (head, row tile, column tile) program: o[:, n0:n0 + block_n] = x[:, :k] @ w[:, n0:n0 + block_n], x first
     RMS-normed when `norm` is (K before padding, eps).
 
-    x_ref `[BLOCK_M, K]`; w_ref `[K, N]`, or `[N, K]` when `transposed`; refs: (gain `[K]`, o) with `norm`, else
-    (o,); o_ref `[BLOCK_M, N]` (whole rows: the program stores its own columns). Rows at or past `rows` (the last
-    tile's overhang) load as zeros and are not stored. With `norm`, a pass over the program's rows first sums their
-    squares (tile by tile into a `[BLOCK_M, block_k]` f32 accumulator, then its columns), and the K loop scales each
-    loaded x tile as `reference.rms_norm` does before its dot.
+    x_ref `[BLOCK_M, >= k]` (columns past k never read); w_ref `[k, N]`, or `[N, k]` when `transposed`; refs: (gain
+    `[k]`, o) with `norm`, else (o,); o_ref `[BLOCK_M, N]` (whole rows: the program stores its own columns). Rows at or
+    past `rows` (the last tile's overhang) load as zeros and are not stored. With `norm`, a pass over the program's rows
+    first sums their squares (tile by tile into a `[BLOCK_M, block_k]` f32 accumulator, then its columns), and the K
+    loop scales each loaded x tile as `reference.rms_norm` does before its dot.
     """
     *gain, o_ref = refs
-    k, n = x_ref.shape[1], o_ref.shape[1]
+    n = o_ref.shape[1]
     bn, bk = tile
     own = pl.program_id(2) * bn
     n0 = jnp.minimum(own, n - bn)  # the last tile may overlap its predecessor
@@ -147,20 +149,22 @@ def head_matmul_tiled(
     gain: jax.Array | None = None,
     eps: float = 0.0,
 ) -> jax.Array:
-    """x `[M, heads, K]`, w `[heads, K, N]` (transposed: `[heads, N, K]`) -> `[M, heads, N]` in out_dtype with an
-    explicit tiling (the kernels' entry points take `tiling(K, N, dtype)`; tests take others); with gain `[K]`,
-    every x row `[K]` is first RMS-normed inside the kernel (`reference.rms_norm(x, gain, eps)`). Grid: heads x
-    ceil(M / BLOCK_M) row tiles x ceil(N / block_n) column tiles, the same with or without the norm; K or N below
-    MIN_DIM is zero-padded (a copy)."""
+    """x `[M, heads, K']` (K' >= K; columns past K are not read), w `[heads, K, N]` (transposed: `[heads, N, K]`) ->
+    `[M, heads, N]` in out_dtype, the product of x's first K columns, with an explicit tiling (the kernels' entry points
+    take `tiling(K, N, dtype)`; tests take others); with gain `[K]`, every x row `[K]` is first RMS-normed inside the
+    kernel (`reference.rms_norm(x, gain, eps)`). Grid: heads x ceil(M / BLOCK_M) row tiles x ceil(N / block_n) column
+    tiles, the same with or without the norm; K or N below MIN_DIM is zero-padded (a copy)."""
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
-    m, heads, k = x.shape
-    n = w.shape[1] if transposed else w.shape[2]
+    m, heads = x.shape[:2]
+    k, n = (w.shape[2], w.shape[1]) if transposed else w.shape[1:]
     kp, np_ = max(k, MIN_DIM), max(n, MIN_DIM)
+    if x.shape[2] != k and k < MIN_DIM:  # the padded K columns must be zeros, not x's next ones (a copy)
+        x = x[..., :k]
     x = _pad_to(x, 2, kp)
     w = _pad_to(_pad_to(w, 2, kp), 1, np_) if transposed else _pad_to(_pad_to(w, 1, kp), 2, np_)
     in_specs = [
-        pl.BlockSpec((BLOCK_M, None, kp), lambda h, i, j: (i, h, 0)),
+        pl.BlockSpec((BLOCK_M, None, x.shape[2]), lambda h, i, j: (i, h, 0)),
         pl.BlockSpec((None, *w.shape[1:]), lambda h, i, j: (h, 0, 0)),
     ]
     gains = []
@@ -169,7 +173,7 @@ def head_matmul_tiled(
         gains.append(_pad_to(gain, 0, kp))
     norm = None if gain is None else (k, eps)
     o = pl.pallas_call(
-        functools.partial(_kernel, rows=m, tile=tile, transposed=transposed, norm=norm),
+        functools.partial(_kernel, rows=m, k=kp, tile=tile, transposed=transposed, norm=norm),
         grid=(heads, pl.cdiv(m, BLOCK_M), pl.cdiv(np_, tile.block_n)),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((BLOCK_M, None, np_), lambda h, i, j: (i, h, 0)),
@@ -190,11 +194,10 @@ def head_matmul_pallas(
     norm: tuple[jax.Array, float] | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Per-head products, row-invariant: x `[..., heads, K]`, w `[heads, K, N]` (transposed: `[heads, N, K]`) ->
-    `[..., heads, N]` in out_dtype, f32 accumulation; x and w share a dtype. norm (gain `[K]`, eps): every x row
-    `[K]` RMS-normed first, inside the kernel (`reference.rms_norm(x, gain, eps)`)."""
-    k = x.shape[-1]
-    n = w.shape[1] if transposed else w.shape[2]
+    """Per-head products, row-invariant: x `[..., heads, K']` (K' >= K: its first K columns), w `[heads, K, N]`
+    (transposed: `[heads, N, K]`) -> `[..., heads, N]` in out_dtype, f32 accumulation; x and w share a dtype. norm (gain
+    `[K]`, eps): every x row `[K]` RMS-normed first, inside the kernel (`reference.rms_norm(x, gain, eps)`)."""
+    k, n = (w.shape[2], w.shape[1]) if transposed else w.shape[1:]
     flat = x.reshape(-1, *x.shape[-2:])
     gain, eps = (None, 0.0) if norm is None else norm
     out = head_matmul_tiled(flat, w, jnp.dtype(out_dtype), transposed, tiling(k, n, w.dtype), interpret, gain, eps)

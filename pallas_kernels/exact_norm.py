@@ -1,9 +1,10 @@
 """Pallas-Triton GPU RMS norm whose result for a row does not depend on how many rows share the call.
 
-`rms_norm_pallas`: x `[..., H]`, gain `[H]` -> `[..., H]` in x.dtype, the semantics of `reference.rms_norm`
-(x in f32 over the sum of its squares, rounded back, times the gain). XLA emits a norm as a reduction whose
-strategy (vectorisation, threads per row, what else shares the fusion) it chooses per program, so a row's sum of
-squares can round differently at another batch size or block length. Here the order is fixed by H alone:
+`rms_norm_pallas`: x `[..., W]` (W >= H), gain `[H]` -> `[..., H]` in x.dtype, the semantics of `reference.rms_norm` of
+x's first H columns (x in f32 over the sum of its squares, rounded back, times the gain), read in place. XLA emits a
+norm as a reduction whose strategy (vectorisation, threads per row, what else shares the fusion) it chooses per program,
+so a row's sum of squares can round differently at another batch size or block length. Here the order is fixed by H
+alone:
 
 * Every program owns BLOCK_M rows; M only sets how many programs run (rows past M load as zeros, are not stored).
 * Pass 1 walks H in ascending tiles of `block_h(H)` columns, adding each tile's squares elementwise into one
@@ -34,8 +35,9 @@ def block_h(hidden: int) -> int:
 
 
 def _kernel(x_ref, w_ref, o_ref, *, rows: int, eps: float) -> None:
-    """One program: rows [i * BLOCK_M, (i + 1) * BLOCK_M) of x_ref `[BLOCK_M, H]` normalised into o_ref."""
-    hidden = x_ref.shape[1]
+    """One program: rows [i * BLOCK_M, (i + 1) * BLOCK_M) of x_ref `[BLOCK_M, W]`, their first H columns (H:
+    w_ref's length), normalised into o_ref `[BLOCK_M, H]`."""
+    hidden = w_ref.shape[0]
     bh = block_h(hidden)
     whole, tail = divmod(hidden, bh)
     row_ok = (pl.program_id(0) * BLOCK_M + jnp.arange(BLOCK_M, dtype=jnp.int32) < rows)[:, None]
@@ -67,22 +69,22 @@ def _kernel(x_ref, w_ref, o_ref, *, rows: int, eps: float) -> None:
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def rms_norm_pallas(x: jax.Array, weight: jax.Array, eps: float, *, interpret: bool = False) -> jax.Array:
-    """x `[..., H]`, weight `[H]` -> `[..., H]` in x.dtype (`reference.rms_norm`), each row's result independent
-    of the other rows of the call."""
-    hidden = x.shape[-1]
-    flat = x.reshape(-1, hidden)
+    """x `[..., W]`, weight `[H]` (W >= H) -> `[..., H]` in x.dtype, `reference.rms_norm` of x's first H columns
+    (the others are not read), each row's result independent of the other rows of the call."""
+    hidden, width = weight.shape[0], x.shape[-1]
+    flat = x.reshape(-1, width)
     m = flat.shape[0]
     out = pl.pallas_call(
         functools.partial(_kernel, rows=m, eps=eps),
         grid=(pl.cdiv(m, BLOCK_M),),
         in_specs=[
-            pl.BlockSpec((BLOCK_M, hidden), lambda i: (i, 0)),
+            pl.BlockSpec((BLOCK_M, width), lambda i: (i, 0)),
             pl.BlockSpec((hidden,), lambda i: (0,)),
         ],
         out_specs=pl.BlockSpec((BLOCK_M, hidden), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct(flat.shape, x.dtype),
+        out_shape=jax.ShapeDtypeStruct((m, hidden), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="exact_rms_norm",
     )(flat, weight)
-    return out.reshape(x.shape)
+    return out.reshape(*x.shape[:-1], hidden)

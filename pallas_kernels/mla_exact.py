@@ -1,11 +1,12 @@
 """Pallas-Triton GPU kernels for absorbed-MLA attention and its W_UV product whose result for a node depends only
 on its own sequence.
 
-`mla_output_exact(q, latent_cache, prefix_len, tree_mask, w_uv, ...)`: q `[B, N, Hq, Dk]`, latent_cache
-`[B, L, Dk]`, w_uv `[Hq, V, value_dim]` -> `[B, N, Hq, V]` f32, the attention of `reference.mla_attention_reference`
-(rounded to w_uv's dtype) times each head's W_UV. The arithmetic is fixed so that a token's output is bitwise the
-same whether it is computed in a one-token decode step, in a prefill block, or as a node of any tree in a verify
-call, whatever the batch and the cache's allocated length (issue 34, docs/exactness.md). Two kernels:
+`mla_output_exact(q, latent_cache, prefix_len, tree_mask, w_uv, ...)`: q `[B, N, Hq, Dk]`, latent_cache `[B, L, Dk]`,
+w_uv `[Hq, V, value_dim]` -> `[B, N, Hq, V]` (f32, or rounded to out_dtype), the attention of
+`reference.mla_attention_reference` (rounded to w_uv's dtype) times each head's W_UV. The arithmetic is fixed so that a
+token's output is bitwise the same whether it is computed in a one-token decode step, in a prefill block, or as a node
+of any tree in a verify call, whatever the batch and the cache's allocated length (issue 34, docs/exactness.md). Two
+kernels:
 
 * The segment kernel (`_segment_kernel`, `_causal_segment_kernel`; grid (B, N, segments)): one program per
   (sequence, node, segment), its query rows the node's heads padded to `ROWS`, so every call runs the same dot
@@ -47,6 +48,7 @@ from absl import logging
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jax.typing import DTypeLike
 
 from pallas_kernels.exact_matmul import BLOCK_M, MIN_DIM, ieee_dot, tiling
 
@@ -140,16 +142,16 @@ def _attend_segment(
 
 
 def _segment_kernel(
-    prefix_ref, depth_ref, see_ref, q_ref, kv_ref, blk_ref, acc_ref, m_ref, l_ref, *, scale, value_dim, chunk
+    prefix_ref, depth_ref, see_ref, q_ref, kv_ref, acc_ref, m_ref, l_ref, *, scale, value_dim, chunk, nodes
 ):
-    """One (sequence, node, segment) program of a tree block.
+    """One (sequence, node, segment) program of a tree block of `nodes` nodes.
 
     prefix_ref: scalar int32; depth_ref `[Np]` int32 depth of each block node; see_ref `[Np]` int32, 1 where this
-    node sees the block node (its ancestors-or-self); q_ref `[R, Dk]`; kv_ref `[L, Dk]` (the whole cache row);
-    blk_ref `[Np, Dk]` (the block's latents, padded). The segment's partial: acc_ref `[R, value_dim]` f32
+    node sees the block node (its ancestors-or-self); q_ref `[R, Dk]`; kv_ref `[L, Dk]` (the whole cache row, the
+    block's latents at slots prefix..prefix + nodes - 1). The segment's partial: acc_ref `[R, value_dim]` f32
     (unnormalised), m_ref `[R]` f32 (running max, log2 units) and l_ref `[R]` f32 (sum of exponentials). Positions
-    from the prefix on hold the node's ancestors-or-self, gathered from the block into their slots (zeros where
-    none).
+    from the prefix on hold the node's ancestors-or-self, gathered from the block's slots into their own (zeros
+    where none).
     """
     rope_dim = kv_ref.shape[1] - value_dim
     prefix = prefix_ref[()]
@@ -159,12 +161,15 @@ def _segment_kernel(
 
     def gather(pos, lo: int, width: int):
         """`[chunk, width]`: channels [lo, lo + width) of the ancestor at each position (zeros where none), one
-        `ROWS`-node tile of the block at a time so that only one tile of latents is on chip."""
+        `ROWS`-node tile of the block at a time so that only one tile of latents is on chip. A tile's rows past
+        the block load as zeros, masked (never read: the slots after the block may lie past the cache's end)."""
         out = jnp.zeros((chunk, width), jnp.float32)
-        for j in range(0, blk_ref.shape[0], ROWS):
+        for j in range(0, depth_ref.shape[0], ROWS):
             d, sv = depth_ref[pl.ds(j, ROWS)], see_ref[pl.ds(j, ROWS)] > 0
             pick = (((pos - prefix)[:, None] == d[None, :]) & sv[None, :]).astype(dtype)  # one-hot rows
-            out += dot(pick, blk_ref[pl.ds(j, ROWS), pl.ds(lo, width)])
+            in_block = (j + jnp.arange(ROWS, dtype=jnp.int32) < nodes)[:, None]
+            lat = pltriton.load(kv_ref.at[pl.ds(prefix + j, ROWS), pl.ds(lo, width)], mask=in_block, other=0)
+            out += dot(pick, lat)
         return out.astype(dtype)
 
     def tail(pos, kn, kp):
@@ -199,7 +204,8 @@ def _merged_kernel(live_ref, acc_ref, m_ref, l_ref, w_ref, o_ref, *, tokens: int
     product with the head's W_UV.
 
     live_ref `[BLOCK_M]` int32 (segments each token reaches, >= 1); acc_ref `[S, BLOCK_M, C]` f32, m_ref and l_ref
-    `[S, BLOCK_M]` f32 (the head's partials); w_ref `[V, C]`; o_ref `[BLOCK_M, V]` f32. Tokens at or past `tokens`
+    `[S, BLOCK_M]` f32 (the head's partials); w_ref `[V, C]`; o_ref `[BLOCK_M, V]` (the f32 product rounded to its
+    dtype). Tokens at or past `tokens`
     (the last tile's overhang) and segments at or past a token's live count load as `other` and are never stored.
     """
     row_ok = pl.program_id(1) * BLOCK_M + jnp.arange(BLOCK_M, dtype=jnp.int32) < tokens
@@ -234,12 +240,19 @@ def _merged_kernel(live_ref, acc_ref, m_ref, l_ref, w_ref, o_ref, *, tokens: int
     for t, v_t in enumerate(v):
         x = (v_t / l_sum[:, None]).astype(w_ref.dtype)
         out += dot(x, w_ref[:, pl.ds(t * block_k, block_k)].T)
-    pltriton.store(o_ref, out, mask=row_ok[:, None])
+    pltriton.store(o_ref, out.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def merged_value_matmul(
-    acc: jax.Array, maxes: jax.Array, sums: jax.Array, live: jax.Array, w_uv: jax.Array, *, interpret: bool = False
+    acc: jax.Array,
+    maxes: jax.Array,
+    sums: jax.Array,
+    live: jax.Array,
+    w_uv: jax.Array,
+    *,
+    out_dtype: DTypeLike = jnp.float32,
+    interpret: bool = False,
 ) -> jax.Array:
     """The segment kernel's partials merged per token in ascending segment order, divided, rounded to w_uv's dtype
     and multiplied by each head's W_UV (`_merged_kernel`): a token's result depends neither on the other tokens of
@@ -247,7 +260,8 @@ def merged_value_matmul(
 
     acc `[S, T, R, C]` f32, maxes and sums `[S, T, R]` f32 (running maxes, log2 units; sums of exponentials), live
     `[T]` int32 (segments each token reaches, >= 1: those past it are not read), w_uv `[Hq, V, C]` (Hq <= R; C a
-    multiple of the K step of `exact_matmul.tiling`) -> `[T, Hq, V]` f32. V is zero-padded to a power of two of at
+    multiple of the K step of `exact_matmul.tiling`) -> `[T, Hq, V]`, the f32 product rounded to out_dtype. V is
+    zero-padded to a power of two of at
     least 16 (a copy) where it is not one.
     """
     segments, tokens, rows, c = acc.shape
@@ -271,7 +285,7 @@ def merged_value_matmul(
             pl.BlockSpec((None, vp, c), lambda h, i: (h, 0, 0)),
         ],
         out_specs=pl.BlockSpec((BLOCK_M, None, vp), lambda h, i: (i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((tokens, heads, vp), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((tokens, heads, vp), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="mla_exact_merged_w_uv",
@@ -332,21 +346,18 @@ def _segment_partials(
         reach = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     else:
         n_pad = max(ROWS, pl.next_power_of_2(n))
-        blk = jax.vmap(lambda c, p: lax.dynamic_slice_in_dim(c, p, n))(latent_cache, prefix)
-        blk = jnp.pad(blk, ((0, 0), (0, n_pad - n), (0, 0)))
         depths = tree_depths(tree_mask)
         depth = jnp.pad(depths, ((0, 0), (0, n_pad - n)), constant_values=-1)
         see = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)))
-        kernel = functools.partial(_segment_kernel, **options)
+        kernel = functools.partial(_segment_kernel, **options, nodes=n)
         in_specs = [
             prefix_spec,
             pl.BlockSpec((None, n_pad), lambda i, j, s: (i, 0)),
             pl.BlockSpec((None, None, n_pad), lambda i, j, s: (i, j, 0)),
             q_spec,
             kv_spec,
-            pl.BlockSpec((None, n_pad, dk), lambda i, j, s: (i, 0, 0)),
         ]
-        args = (prefix, depth, see, qr, latent_cache, blk)
+        args = (prefix, depth, see, qr, latent_cache)
         reach = jnp.max(jnp.where(tree_mask, depths[:, None, :], 0), axis=-1)  # depth reached (as the kernel)
     acc, maxes, sums = pl.pallas_call(
         kernel,
@@ -362,7 +373,7 @@ def _segment_partials(
     return acc, maxes, sums, live
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "value_dim", "causal", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "value_dim", "causal", "out_dtype", "interpret"))
 def mla_output_exact(
     q: jax.Array,
     latent_cache: jax.Array,
@@ -373,15 +384,17 @@ def mla_output_exact(
     value_dim: int = 512,
     *,
     causal: bool = False,
+    out_dtype: DTypeLike = jnp.float32,
     interpret: bool = False,
 ) -> jax.Array:
     """Absorbed-MLA attention times W_UV, batch- and tree-invariant: `reference.mla_attention_reference` rounded to
-    w_uv's dtype, then `einsum("bnhc,hvc->bnhv")` with f32 accumulation; see the module docstring.
+    w_uv's dtype, then `einsum("bnhc,hvc->bnhv")` with f32 accumulation, rounded to out_dtype; see the module
+    docstring.
 
     q `[B, N, Hq, Dk]`, latent_cache `[B, L, Dk]` (the N new nodes at slots prefix_len[b] + j), prefix_len `[B]`,
     tree_mask `[B, N, N]` bool (ancestors-or-self; node j's position is prefix_len + its depth), w_uv
-    `[Hq, V, value_dim]` in q's dtype -> `[B, N, Hq, V]` f32. value_dim and Dk - value_dim must be powers of two.
-    causal: the block is causal (node j's ancestors are nodes 0..j; `tree_mask` is not read): every node attends
+    `[Hq, V, value_dim]` in q's dtype -> `[B, N, Hq, V]` in out_dtype. value_dim and Dk - value_dim must be powers
+    of two. causal: the block is causal (node j's ancestors are nodes 0..j; `tree_mask` is not read): every node attends
     straight over the cache, as the decode step at its position (`_causal_segment_kernel`), so the block may
     exceed MAX_BLOCK.
     """
@@ -399,6 +412,7 @@ def mla_output_exact(
         sums.reshape(tokens),
         live.reshape(b * n),
         w_uv,
+        out_dtype=out_dtype,
         interpret=interpret,
     )
     return out.reshape(b, n, heads, -1)

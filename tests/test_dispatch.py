@@ -199,8 +199,9 @@ def test_exact_mla_output_runs_the_fused_kernel_the_mla_mode_selects(monkeypatch
 
     fused, products = [], []
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
-    monkeypatch.setattr(mla_exact, "mla_output_exact", lambda *a, causal, interpret: fused.append(interpret))
-    monkeypatch.setattr(exact_matmul, "head_matmul_pallas", lambda *a, interpret, **k: products.append(interpret))
+    monkeypatch.setattr(mla_exact, "mla_output_exact", lambda *a, interpret, **k: fused.append(interpret))
+    record_product = lambda *a, interpret, **k: products.append(interpret) or jnp.zeros(())  # noqa: E731
+    monkeypatch.setattr(exact_matmul, "head_matmul_pallas", record_product)
     q, cache = shapes(160, jnp.float32)
     prefix, mask, w = jnp.zeros((2,), jnp.int32), jnp.ones((2, 3, 3), bool), jnp.ones((8, 16, 128))
     dispatch.mla_output(kernels, q, cache, prefix, mask, w, 0.1, 128)

@@ -94,6 +94,18 @@ def test_dims_below_and_off_the_tile(k, n):
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k", [8, 64])
+def test_head_matmul_reads_the_first_k_columns_of_wider_rows(k):
+    """x wider than w's K (MLA's q, whose first columns are q_nope): the product of its first K columns, bitwise
+    that of the sliced x, read in place (K >= 16) or sliced first (K below 16, whose padding must be zeros)."""
+    rng = np.random.default_rng()
+    x, w = normal(rng, (5, 3, k + 24), jnp.bfloat16), normal(rng, (3, k, 40), jnp.bfloat16)
+    product = lambda a: dispatch.head_matmul(EXACT, a, w, preferred_element_type=jnp.float32)  # noqa: E731
+    assert np.array_equal(np.asarray(product(x)), np.asarray(product(x[..., :k])))
+    want = np.einsum("mhk,hkn->mhn", np.asarray(x[..., :k], np.float64), np.asarray(w, np.float64))
+    np.testing.assert_allclose(np.asarray(product(x)), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
 def test_the_check_catches_a_tiling_chosen_from_m():
     """Control: the same kernel with its K step chosen from M (16 for a single row tile, else 64), as an M-dependent
     tiling would, fails the check; so does XLA's CPU dot in bf16, whose 1-row product rounds differently."""

@@ -37,6 +37,17 @@ def test_rows_are_bitwise_invariant_and_match_the_reference(hidden):
     np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("mode", [EXACT, Kernels()])
+def test_norms_the_first_h_columns_of_wider_rows(mode):
+    """x wider than the gain (MLA's kv_a product, whose first columns are c_kv): the norm of its first H columns,
+    bitwise that of the sliced x, with the kernel (reading them in place) and with the reference."""
+    rng = np.random.default_rng()
+    x, w = normal(rng, (2, 5, 96), jnp.bfloat16), normal(rng, (64,), jnp.bfloat16, 0.5)
+    out = dispatch.rms_norm(mode, x, w, EPS)
+    assert out.shape == (2, 5, 64)
+    assert np.array_equal(np.asarray(out), np.asarray(dispatch.rms_norm(mode, x[..., :64], w, EPS)))
+
+
 def test_the_check_catches_a_tile_chosen_from_m():
     """Control: the kernel's pass-1 tile halved for calls of one row tile, as an M-dependent strategy would: the
     same rows then sum their squares in another order, and the check fails. Seeded: a single row's two orders

@@ -69,6 +69,19 @@ def test_matches_the_reference(dk, dv, length, prefix):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
+def test_out_dtype_rounds_the_f32_product():
+    """out_dtype=bf16 (what the model's o_proj takes): the f32 result rounded once, inside the product's kernel."""
+    rng = np.random.default_rng(1)
+    b, n, dk, dv = 2, 5, 160, 128
+    mask = np.stack([random_tree_mask(rng, n) for _ in range(b)])
+    q = jnp.asarray(rng.standard_normal((b, n, HEADS, dk)), jnp.bfloat16)
+    cache = jnp.asarray(rng.standard_normal((b, 192, dk)), jnp.bfloat16)
+    args = (jnp.asarray([30, 100], jnp.int32), jnp.asarray(mask), w_uv(q.dtype, dv), SCALE, dv)
+    rounded = mla_output_exact(q, cache, *args, out_dtype=jnp.bfloat16, interpret=INTERPRET)
+    assert rounded.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(rounded), np.asarray(exact(q, cache, [30, 100], mask, dv).astype(jnp.bfloat16)))
+
+
 def chain_setup(rng: np.random.Generator, dtype, dk: int, prefix: int, k: int):
     """A context cache of `prefix` positions, k chain tokens' latents `[k, Dk]` and queries `[k, Hq, Dk]`."""
     context = rng.standard_normal((prefix, dk))

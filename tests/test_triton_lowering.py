@@ -13,6 +13,7 @@ import pytest
 from experiments.mla_common import abstract_inputs, lower_for_h200
 from pallas_kernels.drafter_attention import drafter_attention_pallas
 from pallas_kernels.exact_matmul import head_matmul_pallas, matmul_pallas
+from pallas_kernels.exact_norm import rms_norm_pallas
 from pallas_kernels.mla_attention import mla_attention_pallas
 from pallas_kernels.mla_exact import mla_output_exact
 from pallas_kernels.reference import DrafterAttentionWeights
@@ -146,13 +147,20 @@ def test_exact_normed_matmul_lowers(weight):
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_exact_head_matmul_lowers(transposed):
-    """K2.6's absorbed MLA products: w_uk `[64, 128, 512]` on q_nope, w_uv `[64, 128, 512]` (transposed) on the
-    attention output, for a 17-node verify of 4 rows."""
-    k = 512 if transposed else 128
+    """K2.6's absorbed MLA products: w_uk `[64, 128, 512]` on q's first 128 of 192 columns (q_nope, read in place),
+    w_uv `[64, 128, 512]` (transposed) on the attention output, for a 17-node verify of 4 rows."""
+    k = 512 if transposed else 192
     x = spec((4, 17, 64, k), jnp.bfloat16)
     fn = lambda x, w: head_matmul_pallas(x, w, jnp.float32, transposed=transposed)
     text = lower_for_h200(fn, x, spec((64, 128, 512), jnp.bfloat16))
     assert "__gpu$xla.gpu.triton" in text and "exact_matmul" in text
+
+
+def test_exact_norm_of_a_column_prefix_lowers():
+    """K2.6's latent norm: the first 512 of kv_a's 576 columns (c_kv), read in place."""
+    fn = lambda x, g: rms_norm_pallas(x, g, 1e-6)
+    text = lower_for_h200(fn, spec((4, 17, 576), jnp.bfloat16), spec((512,), jnp.bfloat16))
+    assert "__gpu$xla.gpu.triton" in text and "exact_rms_norm" in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -92,17 +92,18 @@ class MLA(nnx.Module):
         return yarn_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
     def queries(self, cq: jax.Array, positions: jax.Array, kernels: Kernels) -> tuple[jax.Array, jax.Array]:
-        """cq `[B, N, q_lora]` (q_a's product) -> q_nope `[B, N, Hq, P]`, roped q_pe `[B, N, Hq, R]`."""
+        """cq `[B, N, q_lora]` (q_a's product) -> q `[B, N, Hq, P + R]` (q_nope: its first P columns), roped q_pe
+        `[B, N, Hq, R]`."""
         c = self.cfg
         (q,) = dispatch.normed_matmul(kernels, cq, self.q_a_layernorm[...], c.latent_norm_eps, self.q_b_proj[...])
         q = q.reshape(*cq.shape[:2], c.num_attention_heads, c.qk_head_dim)
         q_pe = rope_interleaved(q[..., c.qk_nope_head_dim :], positions, self._inv_freq())
-        return q[..., : c.qk_nope_head_dim], q_pe
+        return q, q_pe
 
     def latents(self, kv: jax.Array, positions: jax.Array, kernels: Kernels) -> jax.Array:
         """kv `[B, N, 576]` (kv_a's product) -> cache entries `[B, N, 576]` = [RMSNorm(c_kv) | RoPE(k_pe)]."""
         c = self.cfg
-        c_kv = dispatch.rms_norm(kernels, kv[..., : c.kv_lora_rank], self.kv_a_layernorm[...], c.latent_norm_eps)
+        c_kv = dispatch.rms_norm(kernels, kv, self.kv_a_layernorm[...], c.latent_norm_eps)  # kv's first C columns
         k_pe = rope_interleaved(kv[..., c.kv_lora_rank :], positions, self._inv_freq())
         return jnp.concatenate([c_kv, k_pe], axis=-1)
 
@@ -131,22 +132,22 @@ class MLA(nnx.Module):
         with jax.named_scope("prologue"):  # named scopes: experiments/layer_profile.py attributes kernels by them
             w_a = self.q_a_proj[...], self.kv_a_proj_with_mqa[...]
             cq, kv = dispatch.normed_matmul(kernels, x, *input_norm, *w_a)
-            q_nope, q_pe = self.queries(cq, positions, kernels)
+            q, q_pe = self.queries(cq, positions, kernels)
             lat = self.latents(kv, positions, kernels)
         with jax.named_scope("cache_write"):
             cache = write_block(cache, lat, cache_len)
         if naive:
             with jax.named_scope("attention"):
-                o = self._naive_attention(q_nope, q_pe, lat, block_mask)
+                o = self._naive_attention(q[..., : c.qk_nope_head_dim], q_pe, lat, block_mask)
         else:
             with jax.named_scope("prologue"):
-                ql = dispatch.head_matmul(kernels, q_nope, self.w_uk[...])  # [B, N, Hq, C]
+                ql = dispatch.head_matmul(kernels, q, self.w_uk[...])  # q's first P columns: [B, N, Hq, C]
                 q_abs = jnp.concatenate([ql, q_pe], axis=-1)
-            with jax.named_scope("attention"):  # the attention and its W_UV product: [B, N, Hq, V] f32
+            with jax.named_scope("attention"):  # the attention and its W_UV product: [B, N, Hq, V] in x's dtype
                 args = (q_abs, cache, cache_len, block_mask, self.w_uv[...], c.softmax_scale, c.kv_lora_rank, causal)
-                o = sharding.mla_output(kernels, *args)
+                o = sharding.mla_output(kernels, *args, out_dtype=x.dtype)
         with jax.named_scope("o_proj"):
-            o = o.astype(x.dtype).reshape(*x.shape[:2], -1)
+            o = o.reshape(*x.shape[:2], -1)
             o = dispatch.matmul(kernels, o, self.o_proj[...], preferred_element_type=jnp.float32)
             return o.astype(x.dtype), cache
 
