@@ -158,6 +158,8 @@ def head_matmul_tiled(
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
     m, heads = x.shape[:2]
     k, n = (w.shape[2], w.shape[1]) if transposed else w.shape[1:]
+    if x.shape[2] < k:
+        raise ValueError(f"x has {x.shape[2]} columns, fewer than the weight's K = {k}")
     kp, np_ = max(k, MIN_DIM), max(n, MIN_DIM)
     if x.shape[2] != k and k < MIN_DIM:  # the padded K columns must be zeros, not x's next ones (a copy)
         x = x[..., :k]

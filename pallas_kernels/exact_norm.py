@@ -72,6 +72,8 @@ def rms_norm_pallas(x: jax.Array, weight: jax.Array, eps: float, *, interpret: b
     """x `[..., W]`, weight `[H]` (W >= H) -> `[..., H]` in x.dtype, `reference.rms_norm` of x's first H columns
     (the others are not read), each row's result independent of the other rows of the call."""
     hidden, width = weight.shape[0], x.shape[-1]
+    if width < hidden:
+        raise ValueError(f"x has {width} columns, fewer than the gain's {hidden}")
     flat = x.reshape(-1, width)
     m = flat.shape[0]
     out = pl.pallas_call(

@@ -102,6 +102,8 @@ def test_head_matmul_reads_the_first_k_columns_of_wider_rows(k):
     x, w = normal(rng, (5, 3, k + 24), jnp.bfloat16), normal(rng, (3, k, 40), jnp.bfloat16)
     product = lambda a: dispatch.head_matmul(EXACT, a, w, preferred_element_type=jnp.float32)  # noqa: E731
     assert np.array_equal(np.asarray(product(x)), np.asarray(product(x[..., :k])))
+    with pytest.raises(ValueError, match="fewer"):
+        product(x[..., : k // 2])
     want = np.einsum("mhk,hkn->mhn", np.asarray(x[..., :k], np.float64), np.asarray(w, np.float64))
     np.testing.assert_allclose(np.asarray(product(x)), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
 

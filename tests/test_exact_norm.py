@@ -46,6 +46,8 @@ def test_norms_the_first_h_columns_of_wider_rows(mode):
     out = dispatch.rms_norm(mode, x, w, EPS)
     assert out.shape == (2, 5, 64)
     assert np.array_equal(np.asarray(out), np.asarray(dispatch.rms_norm(mode, x[..., :64], w, EPS)))
+    with pytest.raises(ValueError, match="fewer"):
+        exact_norm.rms_norm_pallas(x[..., :32], w, EPS, interpret=True)
 
 
 def test_the_check_catches_a_tile_chosen_from_m():
