@@ -282,9 +282,8 @@ def mla_output(
     `[B]`, tree_mask `[B, N, N]`, w_uv `[Hq, V, value_dim]` -> `[B, N, Hq, V]`, the f32 product rounded to
     out_dtype. `mla_attention` then `head_matmul(..., transposed=True)` in f32, as their modes select; under
     `kernels.exact` with the `mla_attention` mode not "reference", `mla_exact.mla_output_exact` (a node's result
-    independent of the call;
-    the segments' merge inside the W_UV product's kernel), which reads a causal block (`causal`: tree_mask is the
-    causal mask) straight from the cache."""
+    independent of the call; the segments' merge inside the W_UV product's kernel), which reads a causal block
+    (`causal`: tree_mask is the causal mask) straight from the cache."""
     if kernels.exact:
         impl = _choose("mla_attention", kernels.mla_attention, _mla_kernel() is not None)
         if impl != "reference":

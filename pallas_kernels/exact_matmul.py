@@ -1,8 +1,8 @@
 """Pallas-Triton GPU matmuls whose result for a row does not depend on how many rows share the call.
 
 `matmul_pallas`: x `[M, K]` @ w `[K, N]`, x optionally RMS-normed first; `head_matmul_pallas`: one such product
-per head, x `[M, heads, K]` with w `[heads, K, N]` or `[heads, N, K]` (MLA's absorbed w_uk / w_uv einsums). Both
-accumulate in f32. The invariance:
+per head, x `[M, heads, K]` with w `[heads, K, N]` or `[heads, N, K]` (MLA's absorbed w_uk / w_uv einsums; x may
+be wider than K, its first K columns read in place). Both accumulate in f32. The invariance:
 
 * Every program computes a `[BLOCK_M, block_n]` output tile; BLOCK_M is fixed and (block_n, block_k) come from
   (K, N, dtype) alone (`tiling`), never from M, and M only sets the number of row tiles in the grid (the last

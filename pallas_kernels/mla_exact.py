@@ -162,12 +162,13 @@ def _segment_kernel(
     def gather(pos, lo: int, width: int):
         """`[chunk, width]`: channels [lo, lo + width) of the ancestor at each position (zeros where none), one
         `ROWS`-node tile of the block at a time so that only one tile of latents is on chip. A tile's rows past
-        the block load as zeros, masked (never read: the slots after the block may lie past the cache's end)."""
+        the block or the cache's end load as zeros, masked (never read)."""
         out = jnp.zeros((chunk, width), jnp.float32)
         for j in range(0, depth_ref.shape[0], ROWS):
             d, sv = depth_ref[pl.ds(j, ROWS)], see_ref[pl.ds(j, ROWS)] > 0
             pick = (((pos - prefix)[:, None] == d[None, :]) & sv[None, :]).astype(dtype)  # one-hot rows
-            in_block = (j + jnp.arange(ROWS, dtype=jnp.int32) < nodes)[:, None]
+            node = j + jnp.arange(ROWS, dtype=jnp.int32)
+            in_block = ((node < nodes) & (prefix + node < kv_ref.shape[0]))[:, None]
             lat = pltriton.load(kv_ref.at[pl.ds(prefix + j, ROWS), pl.ds(lo, width)], mask=in_block, other=0)
             out += dot(pick, lat)
         return out.astype(dtype)
@@ -205,8 +206,8 @@ def _merged_kernel(live_ref, acc_ref, m_ref, l_ref, w_ref, o_ref, *, tokens: int
 
     live_ref `[BLOCK_M]` int32 (segments each token reaches, >= 1); acc_ref `[S, BLOCK_M, C]` f32, m_ref and l_ref
     `[S, BLOCK_M]` f32 (the head's partials); w_ref `[V, C]`; o_ref `[BLOCK_M, V]` (the f32 product rounded to its
-    dtype). Tokens at or past `tokens`
-    (the last tile's overhang) and segments at or past a token's live count load as `other` and are never stored.
+    dtype). Tokens at or past `tokens` (the last tile's overhang) and segments at or past a token's live count load
+    as `other` and are never stored.
     """
     row_ok = pl.program_id(1) * BLOCK_M + jnp.arange(BLOCK_M, dtype=jnp.int32) < tokens
     live = pltriton.load(live_ref, mask=row_ok, other=1)
@@ -261,8 +262,7 @@ def merged_value_matmul(
     acc `[S, T, R, C]` f32, maxes and sums `[S, T, R]` f32 (running maxes, log2 units; sums of exponentials), live
     `[T]` int32 (segments each token reaches, >= 1: those past it are not read), w_uv `[Hq, V, C]` (Hq <= R; C a
     multiple of the K step of `exact_matmul.tiling`) -> `[T, Hq, V]`, the f32 product rounded to out_dtype. V is
-    zero-padded to a power of two of at
-    least 16 (a copy) where it is not one.
+    zero-padded to a power of two of at least 16 (a copy) where it is not one.
     """
     segments, tokens, rows, c = acc.shape
     heads, v, _ = w_uv.shape

@@ -136,6 +136,12 @@ def test_a_tree_node_equals_its_decode_step_bitwise(n, dtype):
     assert all(same_bits(got, want) for got, want in tree_case(exact, n, dtype))
 
 
+def test_a_tree_ending_at_the_caches_last_slot_equals_its_decode_steps_bitwise():
+    """The block in the cache's last slots: its tile of 16 nodes reaches past the allocation, whose rows load as
+    zeros, never read."""
+    assert all(same_bits(got, want) for got, want in tree_case(exact, 9, jnp.bfloat16, prefix=192 - 9, length=192))
+
+
 def test_kimi_width_latents_bitwise():
     """576-channel latents (Kimi K2), which run in shorter chunks."""
     assert all(same_bits(got, want) for got, want in tree_case(exact, 17, jnp.bfloat16, 576, 512))
