@@ -129,6 +129,12 @@ def _kernel(
     pltriton.store(o_ref.at[:, pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=row_ok & (cols >= own)[None, :])
 
 
+def _weight_dims(w: jax.Array, transposed: bool) -> tuple[int, int]:
+    """(K, N) of a per-head weight `[heads, K, N]`, or `[heads, N, K]` when `transposed`."""
+    k, n = w.shape[1:]
+    return (n, k) if transposed else (k, n)
+
+
 def _pad_to(a: jax.Array, axis: int, size: int) -> jax.Array:
     """`a` zero-padded at the end of `axis` to `size` (unchanged when already that long)."""
     if a.shape[axis] >= size:
@@ -157,7 +163,7 @@ def head_matmul_tiled(
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
     m, heads = x.shape[:2]
-    k, n = (w.shape[2], w.shape[1]) if transposed else w.shape[1:]
+    k, n = _weight_dims(w, transposed)
     if x.shape[2] < k:
         raise ValueError(f"x has {x.shape[2]} columns, fewer than the weight's K = {k}")
     kp, np_ = max(k, MIN_DIM), max(n, MIN_DIM)
@@ -199,7 +205,7 @@ def head_matmul_pallas(
     """Per-head products, row-invariant: x `[..., heads, K']` (K' >= K: its first K columns), w `[heads, K, N]`
     (transposed: `[heads, N, K]`) -> `[..., heads, N]` in out_dtype, f32 accumulation; x and w share a dtype. norm (gain
     `[K]`, eps): every x row `[K]` RMS-normed first, inside the kernel (`reference.rms_norm(x, gain, eps)`)."""
-    k, n = (w.shape[2], w.shape[1]) if transposed else w.shape[1:]
+    k, n = _weight_dims(w, transposed)
     flat = x.reshape(-1, *x.shape[-2:])
     gain, eps = (None, 0.0) if norm is None else norm
     out = head_matmul_tiled(flat, w, jnp.dtype(out_dtype), transposed, tiling(k, n, w.dtype), interpret, gain, eps)
