@@ -27,6 +27,8 @@
 #   and (STAGES=exact_segments) breakdown with the exact numerics at context 1024, batch 1 and 32, for exact MLA
 #   segments of EXACT_SEGMENTS positions (64-1024; issue 34; about 9 min, 100-120 s a run: two calls, e.g.
 #   EXACT_SEGMENTS="64 128 256" then "512 1024")
+#   and (STAGES=exact_sweep) the sweeps with the exact numerics on: budget/concurrency 1-32 at context 60 and the
+#   context 1024 cells, each `correct` against ar (issue 34; about 4 min)
 #   and (STAGES=exact_check) the exact numerics: exact_probe, exact_check (issue 34; about 9 min; exact_probe_off:
 #   the probe without them)
 #   and (STAGES=auto) method=auto beside the fixed methods on the concurrency axis (batch 1-128, context 60) and the
@@ -144,6 +146,16 @@ for seg in ${EXACT_SEGMENTS:-64 128 256 512 1024}; do
     --methods=ar,ddtree --budgets=16 --context=1024 --concurrency=32 --exact --exact_segment=$seg \
     --name=breakdown_exact_seg${seg}_c32
 done
+# The exact numerics' sweeps (issue 34's bar: every cell `correct`): budget and concurrency 1/8/32 at context 60,
+# budgets 4/16/64 at context 1024, concurrency 8/32 at context 1024 (about 4 min with 16 compile threads).
+EXACT_SWEEP=(-m experiments.sweep --out_dir="$RES" --exact --max_new_tokens=64 --repeats=1 --methods=ar,dflash,ddtree
+  --compile_workers=16)
+want exact_sweep && stage sweep_exact 200 "$PY" "${EXACT_SWEEP[@]}" --axis=budget,concurrency --concurrency=1,8,32 \
+  --budgets=4,8,16,32,64 --axis_budgets=8 --tag=exact
+want exact_sweep && stage sweep_context_exact 100 "$PY" "${EXACT_SWEEP[@]}" --axis=context --contexts=1024 \
+  --axis_budgets=4,16,64 --tag=exact
+want exact_sweep && stage sweep_concurrency_exact_ctx1024 100 "$PY" "${EXACT_SWEEP[@]}" --axis=concurrency \
+  --prompt_len=1024 --concurrency=8,32 --axis_budgets=8 --tag=exact_ctx1024
 want exact_probe_off && stage exact_probe_off 50 "$PY" -m experiments.exact_probe --out_dir="$RES" --noexact
 # shellcheck disable=SC2086  # EXACT_CHECK_ARGS / AUTO_ARGS: extra flags, word-split on purpose
 want exact_check && stage exact_check "$EXACT_CHECK_S" "$PY" -m experiments.exact_check --out_dir="$RES" \
