@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Issue 34, one device call (about 4 minutes): the K step of the exact products (`BLOCK_K` in
-# pallas_kernels/exact_matmul.py, 64 today) at 64, 128, 256 and 64 again, each in a copy of the tree, timed by
+# Issue 34, one device call (about 5-6 minutes): the exact products' K step (`BLOCK_K` in
+# pallas_kernels/exact_matmul.py, 64 today) and o_proj's residual epilogue, each variant in a copy of the tree, timed by
 # `breakdown --exact` at batch 1, context 60 (ar, the chain, DDTree b4 and b16: the cells whose exact verify costs
-# 9-15% over the fast path, docs/exactness.md). A longer step halves the serial loop of every exact product (K = 256
+# 13-15% over the fast path, docs/exactness.md). A longer step shortens the serial loop of every exact product (K = 256
 # for most of the shipped pair's); invariance holds at any step, which is a function of K alone.
+#   VARIANTS: space-separated TREE:BLOCK_K, TREE "new" (this tree) or "base" (this tree with the files under ab_base/
+#   copied over it: the code before the epilogue).
 #   DDTREE_COMMIT=<hash> bash experiments/ab_exact_block_k.sh     (OUT: the device tool's folder -> $OUT/all.tgz)
 # Delete this script once the result is in the records.
 set -u
@@ -11,17 +13,19 @@ PY=${PY:-python}
 OUT=${OUT:-/tmp/ab_exact_block_k}; mkdir -p "$OUT"
 S=$(mktemp -d)
 export TF_CPP_MIN_LOG_LEVEL=1 DDTREE_COMMIT=${DDTREE_COMMIT:-unknown}
-CAP=${CAP:-70}  # seconds per run
+CAP=${CAP:-75}  # seconds per run
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | tee "$S/device.txt"
 SECONDS=0
 i=0
-for bk in ${BLOCK_KS:-64 128 256 64}; do
+for variant in ${VARIANTS:-new:64 base:64 new:128 new:256 new:64}; do
   i=$((i + 1))
+  kind=${variant%%:*} bk=${variant##*:}
   tree=$(mktemp -d) && cp -a . "$tree" && sed -i "s/^BLOCK_K = 64$/BLOCK_K = $bk/" "$tree/pallas_kernels/exact_matmul.py"
-  echo "== run $i: $(grep '^BLOCK_K' "$tree/pallas_kernels/exact_matmul.py") at ${SECONDS}s"
+  if [ "$kind" = base ]; then cp -a ab_base/. "$tree"/; fi
+  echo "== run $i: $kind $(grep '^BLOCK_K' "$tree/pallas_kernels/exact_matmul.py") at ${SECONDS}s"
   (cd "$tree" && timeout "$CAP" "$PY" -m experiments.breakdown --out_dir="$S" --methods=ar,dflash,ddtree \
-    --budgets=4,16 --context=60 --exact --top_kernels=400 --repeats=5 --name="breakdown_exact_ctx60_k${bk}_run$i" \
-    2>&1 | grep '^| [adm]')
+    --budgets=4,16 --context=60 --exact --top_kernels=400 --repeats=5 \
+    --name="breakdown_exact_ctx60_${kind}_k${bk}_run$i" 2>&1 | grep '^| [adm]')
   rm -rf "$tree"
   tar czf "$OUT/all.tgz" -C "$S" .
 done

@@ -9,7 +9,8 @@ for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fe
 kernel's tiling (None: the default `MosaicMLAConfig()`), and `topk_chunk` the row length of the chunk-wise exact top-k
 of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
-`exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `head_matmul`) run the
+`exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `residual_matmul`,
+`head_matmul`) run the
 row-invariant kernels of `exact_matmul.py` under the `matmul` mode, its RMS norms the row-invariant kernel of
 `exact_norm.py` under the `rms_norm` mode (a norm whose only consumers are products, `normed_matmul`, runs inside the
 product's kernel when the `matmul` mode selects it), MLA attention and its W_UV product (`mla_output`) the per-node
@@ -178,6 +179,17 @@ def matmul(kernels: Kernels, x: jax.Array, w: jax.Array, preferred_element_type:
     if impl := _invariant_products(kernels):
         return _invariant_matmul(impl, x, w, preferred_element_type)
     return jnp.dot(x, w, preferred_element_type=preferred_element_type)
+
+
+def residual_matmul(kernels: Kernels, residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+    """residual `[..., N]` + (x `[..., K]` @ w `[K, N]`, accumulated in f32, rounded to residual's dtype): a residual
+    stream's update. Under `kernels.exact` with the `matmul` kernel selected, one row-invariant kernel that adds the
+    residual as its epilogue (`exact_matmul.matmul_pallas(..., residual=)`); else `matmul` then the add."""
+    if impl := _invariant_products(kernels):
+        from pallas_kernels.exact_matmul import matmul_pallas
+
+        return matmul_pallas(x, w, residual.dtype, residual=residual, interpret=impl == "interpret")
+    return residual + matmul(kernels, x, w, preferred_element_type=jnp.float32).astype(residual.dtype)
 
 
 def _invariant_products(kernels: Kernels) -> str | None:

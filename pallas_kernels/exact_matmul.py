@@ -14,6 +14,9 @@ be wider than K, its first K columns read in place). Both accumulate in f32. The
   columns are stored by the tile that owns them only (a masked store). Dims below MIN_DIM are zero-padded to it.
 * f32 operands multiply in IEEE f32 (precision HIGHEST; Triton's default for them is TF32).
 
+`matmul_pallas(..., residual=r)` is `r + (x @ w rounded to r.dtype)` in one kernel (an epilogue: each program adds
+its own tile of r in f32 and rounds to r.dtype, as XLA's elementwise add of the two does).
+
 `matmul_pallas(..., norm=(gain, eps))` is `reference.rms_norm(x, gain, eps) @ w` in one kernel (the RMS norm as a
 prologue; the same grid and tiling as without it). Each program first sums its rows' squares over K in f32,
 elementwise into a `[BLOCK_M, block_k]` accumulator over the ascending K tiles (the tail tile's overlap loads as
@@ -75,18 +78,29 @@ def ieee_dot(dtype: DTypeLike):
 
 
 def _kernel(
-    x_ref, w_ref, *refs, rows: int, k: int, tile: Tiling, transposed: bool, norm: tuple[int, float] | None
+    x_ref,
+    w_ref,
+    *refs,
+    rows: int,
+    k: int,
+    tile: Tiling,
+    transposed: bool,
+    norm: tuple[int, float] | None,
+    residual: bool,
 ) -> None:
     """One (head, row tile, column tile) program: o[:, n0:n0 + block_n] = x[:, :k] @ w[:, n0:n0 + block_n], x first
-    RMS-normed when `norm` is (K before padding, eps).
+    RMS-normed when `norm` is (K before padding, eps), the tile of r added when `residual`.
 
-    x_ref `[BLOCK_M, >= k]` (columns past k never read); w_ref `[k, N]`, or `[N, k]` when `transposed`; refs: (gain
-    `[k]`, o) with `norm`, else (o,); o_ref `[BLOCK_M, N]` (whole rows: the program stores its own columns). Rows at or
-    past `rows` (the last tile's overhang) load as zeros and are not stored. With `norm`, a pass over the program's rows
-    first sums their squares (tile by tile into a `[BLOCK_M, block_k]` f32 accumulator, then its columns), and the K
-    loop scales each loaded x tile as `reference.rms_norm` does before its dot.
+    x_ref `[BLOCK_M, >= k]` (columns past k never read); w_ref `[k, N]`, or `[N, k]` when `transposed`; refs: gain `[k]`
+    with `norm`, then r `[BLOCK_M, N]` with `residual`, then o; o_ref `[BLOCK_M, N]` (whole rows: the program stores
+    its own columns). Rows at or past `rows` (the last tile's overhang) load as zeros and are not stored. With `norm`,
+    a pass over the program's rows first sums their squares (tile by tile into a `[BLOCK_M, block_k]` f32 accumulator,
+    then its columns), and the K loop scales each loaded x tile as `reference.rms_norm` does before its dot. With
+    `residual`, the f32 product is rounded to o's dtype, added to r's tile in f32 and rounded again (XLA's add).
     """
-    *gain, o_ref = refs
+    gain_ref = refs[0] if norm is not None else None
+    res_ref = refs[-2] if residual else None
+    o_ref = refs[-1]
     n = o_ref.shape[1]
     bn, bk = tile
     own = pl.program_id(2) * bn
@@ -118,15 +132,19 @@ def _kernel(
 
     def step(k0, x, acc):
         if norm is not None:
-            g = gain[0][pl.ds(k0, bk)].astype(x.dtype)
+            g = gain_ref[pl.ds(k0, bk)].astype(x.dtype)
             x = g[None, :] * (x.astype(jnp.float32) * inv).astype(x.dtype)
         if transposed:
             return acc + dot(x, w_ref[pl.ds(n0, bn), pl.ds(k0, bk)].T)
         return acc + dot(x, w_ref[pl.ds(k0, bk), pl.ds(n0, bn)])
 
     acc = k_tiles(step, jnp.zeros((BLOCK_M, bn), jnp.float32))
+    out = acc.astype(o_ref.dtype)
+    if residual:
+        r = pltriton.load(res_ref.at[:, pl.ds(n0, bn)], mask=row_ok, other=0)
+        out = (r.astype(jnp.float32) + out.astype(jnp.float32)).astype(o_ref.dtype)
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-    pltriton.store(o_ref.at[:, pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=row_ok & (cols >= own)[None, :])
+    pltriton.store(o_ref.at[:, pl.ds(n0, bn)], out, mask=row_ok & (cols >= own)[None, :])
 
 
 def _weight_dims(w: jax.Array, transposed: bool) -> tuple[int, int]:
@@ -154,12 +172,14 @@ def head_matmul_tiled(
     interpret: bool = False,
     gain: jax.Array | None = None,
     eps: float = 0.0,
+    residual: jax.Array | None = None,
 ) -> jax.Array:
     """x `[M, heads, K']` (K' >= K; columns past K are not read), w `[heads, K, N]` (transposed: `[heads, N, K]`) ->
     `[M, heads, N]` in out_dtype, the product of x's first K columns, with an explicit tiling (the kernels' entry points
     take `tiling(K, N, dtype)`; tests take others); with gain `[K]`, every x row `[K]` is first RMS-normed inside the
-    kernel (`reference.rms_norm(x, gain, eps)`). Grid: heads x ceil(M / BLOCK_M) row tiles x ceil(N / block_n) column
-    tiles, the same with or without the norm; K or N below MIN_DIM is zero-padded (a copy)."""
+    kernel (`reference.rms_norm(x, gain, eps)`); with residual `[M, heads, N]` in out_dtype, the result is residual +
+    the rounded product. Grid: heads x ceil(M / BLOCK_M) row tiles x ceil(N / block_n) column tiles, the same with or
+    without either; K or N below MIN_DIM is zero-padded (a copy)."""
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
     m, heads = x.shape[:2]
@@ -180,16 +200,27 @@ def head_matmul_tiled(
         in_specs.append(pl.BlockSpec((kp,), lambda h, i, j: (0,)))
         gains.append(_pad_to(gain, 0, kp))
     norm = None if gain is None else (k, eps)
+    out_spec = pl.BlockSpec((BLOCK_M, None, np_), lambda h, i, j: (i, h, 0))
+    residuals = []
+    if residual is not None:
+        if residual.shape != (m, heads, n) or residual.dtype != out_dtype:
+            raise ValueError(
+                f"residual {residual.dtype}{list(residual.shape)} for an output {out_dtype}{[m, heads, n]}"
+            )
+        in_specs.append(out_spec)
+        residuals.append(_pad_to(residual, 2, np_))
     o = pl.pallas_call(
-        functools.partial(_kernel, rows=m, k=kp, tile=tile, transposed=transposed, norm=norm),
+        functools.partial(
+            _kernel, rows=m, k=kp, tile=tile, transposed=transposed, norm=norm, residual=residual is not None
+        ),
         grid=(heads, pl.cdiv(m, BLOCK_M), pl.cdiv(np_, tile.block_n)),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((BLOCK_M, None, np_), lambda h, i, j: (i, h, 0)),
+        out_specs=out_spec,
         out_shape=jax.ShapeDtypeStruct((m, heads, np_), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="exact_matmul" if gain is None else "exact_normed_matmul",
-    )(x, w, *gains)
+    )(x, w, *gains, *residuals)
     return o if n == np_ else o[..., :n]
 
 
@@ -200,15 +231,19 @@ def head_matmul_pallas(
     *,
     transposed: bool = False,
     norm: tuple[jax.Array, float] | None = None,
+    residual: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Per-head products, row-invariant: x `[..., heads, K']` (K' >= K: its first K columns), w `[heads, K, N]`
     (transposed: `[heads, N, K]`) -> `[..., heads, N]` in out_dtype, f32 accumulation; x and w share a dtype. norm (gain
-    `[K]`, eps): every x row `[K]` RMS-normed first, inside the kernel (`reference.rms_norm(x, gain, eps)`)."""
+    `[K]`, eps): every x row `[K]` RMS-normed first, inside the kernel (`reference.rms_norm(x, gain, eps)`). residual
+    `[..., heads, N]` in out_dtype: the result is `residual + product.astype(out_dtype)`, added inside the kernel."""
     k, n = _weight_dims(w, transposed)
     flat = x.reshape(-1, *x.shape[-2:])
     gain, eps = (None, 0.0) if norm is None else norm
-    out = head_matmul_tiled(flat, w, jnp.dtype(out_dtype), transposed, tiling(k, n, w.dtype), interpret, gain, eps)
+    res = None if residual is None else residual.reshape(-1, *residual.shape[-2:])
+    tile = tiling(k, n, w.dtype)
+    out = head_matmul_tiled(flat, w, jnp.dtype(out_dtype), transposed, tile, interpret, gain, eps, res)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -218,10 +253,13 @@ def matmul_pallas(
     out_dtype: DTypeLike,
     *,
     norm: tuple[jax.Array, float] | None = None,
+    residual: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """x `[..., K]` @ w `[K, N]` -> `[..., N]` in out_dtype, f32 accumulation, each row's result independent of
     the other rows of the call; x and w share a dtype. norm (gain `[K]`, eps): `reference.rms_norm(x, gain, eps)`
-    @ w, the norm computed inside the kernel (a prologue; see the module docstring)."""
-    out = head_matmul_pallas(x[..., None, :], w[None], out_dtype, norm=norm, interpret=interpret)
+    @ w, the norm computed inside the kernel (a prologue; see the module docstring). residual `[..., N]` in out_dtype:
+    `residual + (x @ w).astype(out_dtype)`, the add inside the kernel (an epilogue)."""
+    res = None if residual is None else residual[..., None, :]
+    out = head_matmul_pallas(x[..., None, :], w[None], out_dtype, norm=norm, residual=res, interpret=interpret)
     return out[..., 0, :]

@@ -1,6 +1,6 @@
 """The row-invariant matmul kernels (`pallas_kernels/exact_matmul.py`) in interpret mode: a row's result is the same
 bits in calls of 1, 9, 17 and 65 rows; it matches jnp.dot (with the norm prologue: `reference.rms_norm` then
-jnp.dot); without `exact` dispatch is the plain expression."""
+jnp.dot); o_proj's residual epilogue is XLA's add; without `exact` dispatch is the plain expression."""
 
 from __future__ import annotations
 
@@ -81,6 +81,22 @@ def test_normed_matmul_rows_are_bitwise_invariant_and_match_the_reference(dtype,
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("n", [24, N])
+def test_residual_matmul_adds_in_the_kernel_as_xla_would(n):
+    """o_proj's epilogue: `residual + (x @ w).astype(bf16)` with the add inside the kernel is bitwise the product
+    kernel's output added by XLA, keeps a row's bits in calls of any size, and refuses a residual of another shape."""
+    rng = np.random.default_rng()
+    bf16 = jnp.bfloat16
+    w = normal(rng, (K, n), bf16)
+    x, r = normal(rng, (2, 5, K), bf16), 4 * normal(rng, (2, 5, n), np.float32).astype(bf16)
+    out = dispatch.residual_matmul(EXACT, r, x, w)
+    want = r + dispatch.matmul(EXACT, x, w, preferred_element_type=jnp.float32).astype(bf16)
+    assert out.dtype == bf16 and np.array_equal(np.asarray(out), np.asarray(want))
+    assert rows_invariant(check_rows(lambda a: dispatch.residual_matmul(EXACT, a[:, :n], a, w), K, bf16, rng))
+    with pytest.raises(ValueError, match="residual"):
+        dispatch.residual_matmul(EXACT, r[..., :-1], x, w)
+
+
 @pytest.mark.parametrize("k,n", [(8, 8), (16, 200), (130, 16)])
 def test_dims_below_and_off_the_tile(k, n):
     """Dims below 16 (the router of a model with 8 experts) are zero-padded; others take overlapping tail tiles.
@@ -145,6 +161,14 @@ def test_without_exact_dispatch_is_the_plain_expression():
             lambda a, b: dispatch.head_matmul(plain, a, b, transposed=True, preferred_element_type=f32),
         ),
     ]
+    residual = jax.ShapeDtypeStruct((2, 3, 32), jnp.bfloat16)
+    pairs.append(
+        (
+            (residual, x, w),
+            lambda r, a, b: r + jnp.dot(a, b, preferred_element_type=f32).astype(r.dtype),
+            lambda r, a, b: dispatch.residual_matmul(plain, r, a, b),
+        )
+    )
     for args, today, dispatched in pairs:
         assert str(jax.make_jaxpr(dispatched)(*args)) == str(jax.make_jaxpr(today)(*args))
     gain = jax.ShapeDtypeStruct((64,), jnp.bfloat16)  # one norm for both products

@@ -145,6 +145,14 @@ def test_exact_normed_matmul_lowers(weight):
     assert "__gpu$xla.gpu.triton" in text and "exact_normed_matmul" in text
 
 
+def test_exact_residual_matmul_lowers():
+    """K2.6's o_proj `[8192, 7168]` with the residual stream added in its epilogue, 17 rows."""
+    bf16 = jnp.bfloat16
+    fn = lambda r, x, w: matmul_pallas(x, w, bf16, residual=r)
+    text = lower_for_h200(fn, spec((17, 7168), bf16), spec((17, 8192), bf16), spec((8192, 7168), bf16))
+    assert "__gpu$xla.gpu.triton" in text and "exact_matmul" in text
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_exact_head_matmul_lowers(transposed):
     """K2.6's absorbed MLA products: w_uk `[64, 128, 512]` on q's first 128 of 192 columns (q_nope, read in place),

@@ -11,7 +11,8 @@ Parameters are stored `[in, out]` (the transpose of HF's `[out, in]`). Each modu
 Every dense product of the target goes through `dispatch.matmul` / `dispatch.head_matmul` with the program's
 `Kernels`: plain `jnp.dot` / `jnp.einsum`, or under `Kernels.exact` the row-invariant kernels (docs/exactness.md).
 W_UV goes with the absorbed attention through `dispatch.mla_output`, whose exact kernel merges the attention's
-segments inside the product.
+segments inside the product; o_proj adds the residual stream through `dispatch.residual_matmul` (inside its exact
+kernel).
 The RMS norms whose output only products read (a layer's input norm before q_a and kv_a, q_a's norm before q_b,
 the final norm before lm_head) go through `dispatch.normed_matmul` with their products, which under `Kernels.exact`
 computes the norm inside each product's kernel (q_a and kv_a each norm the layer input themselves).
@@ -120,8 +121,9 @@ class MLA(nnx.Module):
         naive: bool = False,
         causal: bool = False,
     ) -> tuple[jax.Array, jax.Array]:
-        """x `[B, N, H]` (the layer's residual stream), cache `[B, L, 576]` -> (y `[B, N, H]`, cache with the N new
-        entries written). input_norm: the layer's input RMS norm, applied inside q_a's and kv_a's products.
+        """x `[B, N, H]` (the layer's residual stream), cache `[B, L, 576]` -> (x + the attention's output
+        `[B, N, H]`, cache with the N new entries written). input_norm: the layer's input RMS norm, applied inside q_a's
+        and kv_a's products.
 
         naive=True computes attention in the per-head (prefill) form over the new block only; it requires an
         empty prefix (cache_len == 0), which the caller guarantees. causal: block_mask is the causal mask (the
@@ -146,10 +148,8 @@ class MLA(nnx.Module):
             with jax.named_scope("attention"):  # the attention and its W_UV product: [B, N, Hq, V] in x's dtype
                 args = (q_abs, cache, cache_len, block_mask, self.w_uv[...], c.softmax_scale, c.kv_lora_rank, causal)
                 o = sharding.mla_output(kernels, *args, out_dtype=x.dtype)
-        with jax.named_scope("o_proj"):
-            o = o.reshape(*x.shape[:2], -1)
-            o = dispatch.matmul(kernels, o, self.o_proj[...], preferred_element_type=jnp.float32)
-            return o.astype(x.dtype), cache
+        with jax.named_scope("o_proj"):  # x + o @ W_o: the residual stream's update
+            return dispatch.residual_matmul(kernels, x, o.reshape(*x.shape[:2], -1), self.o_proj[...]), cache
 
     def _naive_attention(self, q_nope, q_pe, lat, block_mask) -> jax.Array:
         """Per-head MLA over the block itself (kimi_k2.md §3.2) -> `[B, N, Hq, V]` f32."""
@@ -356,7 +356,7 @@ class DecoderLayer(nnx.Module):
     ):
         """One layer; kernels None: `Kernels.from_env()`; causal: block_mask is the causal mask."""
         kernels = Kernels.or_env(kernels)
-        a, cache = self.self_attn(
+        h, cache = self.self_attn(
             h,
             (self.input_layernorm[...], self.eps),
             positions,
@@ -367,7 +367,6 @@ class DecoderLayer(nnx.Module):
             naive=naive,
             causal=causal,
         )
-        h = h + a
         x = dispatch.rms_norm(kernels, h, self.post_attention_layernorm[...], self.eps)
         h = h + self.mlp(x, kernels)
         return h, cache
