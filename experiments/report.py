@@ -285,11 +285,12 @@ def exact_section(d: Path) -> list[str]:
         ]
     if check:
         on = [r for r in check["records"] if r["exact"] == "on"]
-        one = [r for r in on if r["batch"] == 1]
+        one = [r for r in on if r["batch"] == 1 and r["vs_off"] is not None]
+        cost = ", ".join(f"{r['method']} b{r['budget']} ctx {r['context']} {r['vs_off']:.2f}" for r in one)
         out.append(
             f"`exact_check` ({meta_line(check)}): {sum(r['rows_differ'] == 0 for r in on)} of {len(on)} cells with "
-            f"no row differing from batch-1 AR; cost at batch 1, tokens/s on over off: "
-            + ", ".join(f"{r['method']} b{r['budget']} ctx {r['context']} {r['vs_off']:.2f}" for r in one)
+            "no row differing from batch-1 AR; cost at batch 1, tokens/s on over off: "
+            + (cost or "not measured (the run without the switch did not finish)")
         )
     return out + segment_table(d)
 
