@@ -62,7 +62,7 @@ def test_head_matmul_rows_are_bitwise_invariant_and_match_einsum(dtype, transpos
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("n", [24, N])  # below the column tile (64 bf16, 32 f32 columns); above it, overlapping
+@pytest.mark.parametrize("n", [24, N])  # 24: below bf16's column tile (32), above f32's (16); 97: overlapping tails
 def test_normed_matmul_rows_are_bitwise_invariant_and_match_the_reference(dtype, n):
     """The norm prologue (K = 200: a tail tile in both the sum of squares and the product) equals
     `reference.rms_norm` then the product, and keeps a row's bits in calls of any size."""
