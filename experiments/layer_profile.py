@@ -25,9 +25,9 @@ joined with its instruction's op_name path in the compiled HLO (`device_profile`
 every layer (`layer_i`) and its pieces: prologue (q_a, q norm, q_b, RoPE, absorbed W_UK, kv_a, kv norm, k RoPE),
 cache_write, attention (the kernel over the latent cache and its W_UV product), o_proj, router, experts (routed),
 shared_expert, ffn (the dense layer's MLP); what a layer runs outside them is norms_residual (the two RMSNorms, the
-residual adds). Outside the layers: the engine's scopes (step / draft / tree / verify / accept, `_lm_head` where the
-target's LM head runs), `loop` (loop ops in no scope), `unattributed` (instructions without metadata). Per
-iteration, per layer.
+FFN's residual add; o_proj adds the attention's). Outside the layers: the engine's scopes (step / draft / tree /
+verify / accept, `_lm_head` where the target's LM head runs), `loop` (loop ops in no scope), `unattributed`
+(instructions without metadata). Per iteration, per layer.
 
 Bytes a piece must read, from the weight declarations (`params.param_table`) at the layout's share: its weights;
 the routed experts as E x (1 - (1 - 1/E)^(k x tokens)) experts expected under uniform routing (random weights route

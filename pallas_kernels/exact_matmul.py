@@ -241,9 +241,11 @@ def head_matmul_pallas(
     `[K]`, eps): every x row `[K]` RMS-normed first, inside the kernel (`reference.rms_norm(x, gain, eps)`). residual
     `[..., heads, N]` in out_dtype: the result is `residual + product.astype(out_dtype)`, added inside the kernel."""
     k, n = _weight_dims(w, transposed)
+    if residual is not None and residual.shape != (*x.shape[:-1], n):
+        raise ValueError(f"residual {list(residual.shape)} for an output {[*x.shape[:-1], n]}")
     flat = x.reshape(-1, *x.shape[-2:])
     gain, eps = (None, 0.0) if norm is None else norm
-    res = None if residual is None else residual.reshape(-1, *residual.shape[-2:])
+    res = None if residual is None else residual.reshape(*flat.shape[:-1], n)
     tile = tiling(k, n, w.dtype)
     out = head_matmul_tiled(flat, w, jnp.dtype(out_dtype), transposed, tile, interpret, gain, eps, res)
     return out.reshape(*x.shape[:-1], n)

@@ -93,8 +93,9 @@ def test_residual_matmul_adds_in_the_kernel_as_xla_would(n):
     want = r + dispatch.matmul(EXACT, x, w, preferred_element_type=jnp.float32).astype(bf16)
     assert out.dtype == bf16 and np.array_equal(np.asarray(out), np.asarray(want))
     assert rows_invariant(check_rows(lambda a: dispatch.residual_matmul(EXACT, a[:, :n], a, w), K, bf16, rng))
-    with pytest.raises(ValueError, match="residual"):
-        dispatch.residual_matmul(EXACT, r[..., :-1], x, w)
+    for wrong in (r[..., :-1], r.reshape(5, 2, n)):  # a column short; rows of another layout
+        with pytest.raises(ValueError, match="residual"):
+            dispatch.residual_matmul(EXACT, wrong, x, w)
 
 
 @pytest.mark.parametrize("k,n", [(8, 8), (16, 200), (130, 16)])
