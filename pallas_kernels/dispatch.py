@@ -186,9 +186,7 @@ def residual_matmul(kernels: Kernels, residual: jax.Array, x: jax.Array, w: jax.
     stream's update. Under `kernels.exact` with the `matmul` kernel selected, one row-invariant kernel that adds the
     residual as its epilogue (`exact_matmul.matmul_pallas(..., residual=)`); else `matmul` then the add."""
     if impl := _invariant_products(kernels):
-        from pallas_kernels.exact_matmul import matmul_pallas
-
-        return matmul_pallas(x, w, residual.dtype, residual=residual, interpret=impl == "interpret")
+        return _invariant_matmul(impl, x, w, residual.dtype, residual=residual)
     return residual + matmul(kernels, x, w, preferred_element_type=jnp.float32).astype(residual.dtype)
 
 
@@ -206,13 +204,14 @@ def _invariant_matmul(
     w: jax.Array,
     preferred_element_type: DTypeLike | None,
     norm: tuple[jax.Array, float] | None = None,
+    residual: jax.Array | None = None,
 ) -> jax.Array:
-    """`exact_matmul.matmul_pallas` of x `[..., K]` and w `[K, N]` (x RMS-normed first with norm = (gain, eps)),
-    in preferred_element_type or the operands' dtype."""
+    """`exact_matmul.matmul_pallas` of x `[..., K]` and w `[K, N]` (x RMS-normed first with norm = (gain, eps);
+    residual `[..., N]` added last), in preferred_element_type or the operands' dtype."""
     from pallas_kernels.exact_matmul import matmul_pallas
 
     out_dtype = preferred_element_type or jnp.result_type(x, w)
-    return matmul_pallas(x, w, out_dtype, norm=norm, interpret=impl == "interpret")
+    return matmul_pallas(x, w, out_dtype, norm=norm, residual=residual, interpret=impl == "interpret")
 
 
 def rms_norm(kernels: Kernels, x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
