@@ -11,7 +11,7 @@ that size. Every request's tokens are compared with its own `ar` tokens at batch
 `rows_differ` per cell (the claim: 0 everywhere with the switch on). `tokens_per_s`: tokens generated / summed
 execution seconds of the cell's calls after one warm-up call (compilation excluded); `vs_off` (switch-on rows):
 the cell's tokens_per_s over the same cell's with the switch off, measured in this run in either order. Writes
-<out_dir>/exact_check.json and .md.
+<out_dir>/<name>.json and .md (`--name`, default exact_check).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per request (stop 
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and activations")
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling the programs up front")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
+flags.DEFINE_string("name", "exact_check", "record name: <out_dir>/<name>.json and .md")
 
 COLUMNS = ["exact", "context", "batch", "method", "budget", "rows_differ", "first_divergence", "tokens_per_s"]
 COLUMNS += ["vs_off"]
@@ -132,7 +133,7 @@ def main(_) -> None:
             for r in records:  # either order of the modes: filled in once both sides of a cell ran
                 on, off = (rate.get((m, r["context"], r["batch"], r["method"], r["budget"])) for m in ("on", "off"))
                 r["vs_off"] = on / off if r["exact"] == "on" and on and off else None
-            common.write_results("exact_check", records, COLUMNS, FLAGS.out_dir or None)
+            common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None)
     print(common.markdown_table(records, COLUMNS))
 
 
