@@ -48,7 +48,7 @@ from ddtree_jax import topk
 from ddtree_jax.mesh_spec import MESH_AXES, MeshSpecError, parse_mesh_spec
 from ddtree_jax.models.params import ParamPath, WeightSpec, param_table
 from pallas_kernels import dispatch
-from pallas_kernels.reference import DrafterAttentionWeights
+from pallas_kernels.reference import DrafterAttentionWeights, DrafterSwigluWeights
 
 # Logical axis -> mesh axes. The one place that says which mesh axis splits what.
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -261,6 +261,24 @@ def drafter_attention(
         out_specs=PartitionSpec(batch, None, heads, None),
         check_vma=False,  # as in moe_swiglu
     )(x, weights, ctx_k, ctx_v, ctx_len, cos, sin)
+
+
+def drafter_swiglu(kernels: dispatch.Kernels, x: jax.Array, weights: DrafterSwigluWeights, eps: float) -> jax.Array:
+    """`dispatch.drafter_swiglu` (x `[B, S, H]` -> the SwiGLU `[B, S, I]` in x.dtype), run per device on its inner
+    columns under the active mesh: gate's and up's columns split over `ffn`, rows over `data`, the norm replicated;
+    the result stays split over `ffn`, as the down product's rows are. No collective."""
+    mesh = _active
+    if mesh is None:
+        return dispatch.drafter_swiglu(kernels, x, weights, eps)
+    batch, ffn = LOGICAL_AXES["batch"], LOGICAL_AXES["ffn"]
+    split = DrafterSwigluWeights(PartitionSpec(None), PartitionSpec(None, ffn), PartitionSpec(None, ffn))
+    return jax.shard_map(
+        lambda x, w: dispatch.drafter_swiglu(kernels, x, w, eps),
+        mesh=mesh,
+        in_specs=(PartitionSpec(batch, None, None), split),
+        out_specs=PartitionSpec(batch, None, ffn),
+        check_vma=False,  # as in moe_swiglu
+    )(x, weights)
 
 
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------

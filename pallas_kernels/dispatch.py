@@ -1,11 +1,11 @@
 """The one dispatch point between models and kernels, and the kernel selection as one value.
 
 `Kernels` says which implementation each op runs: `moe_swiglu`, `mla_attention`, `build_tree`, `drafter_attention`,
-`matmul` and `rms_norm` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference elsewhere), "reference",
-"pallas" or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a CPU). For MLA attention in
-Pallas mode `mla_kernel` picks the Pallas-Triton kernel (`mla_attention.py`, any head dim) or the Mosaic GPU one
-(`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or "auto" (Mosaic on a Hopper GPU
-for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic
+`drafter_swiglu`, `matmul` and `rms_norm` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference
+elsewhere), "reference", "pallas" or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a
+CPU). For MLA attention in Pallas mode `mla_kernel` picks the Pallas-Triton kernel (`mla_attention.py`, any head dim)
+or the Mosaic GPU one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or "auto"
+(Mosaic on a Hopper GPU for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic
 kernel's tiling (None: the default `MosaicMLAConfig()`), and `topk_chunk` the row length of the chunk-wise exact top-k
 of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from pallas_kernels.mla_mosaic import MosaicMLAConfig
 
 MODES = ("auto", "reference", "pallas", "interpret")
-OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "matmul", "rms_norm")
+OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "drafter_swiglu", "matmul", "rms_norm")
 MLA_KERNELS = ("auto", "triton", "mosaic")
 MOSAIC_MIN_ROWS = 64
 TOPK_CHUNK = 512
@@ -62,6 +62,7 @@ class Kernels:
     mla_attention: str = "auto"
     build_tree: str = "auto"
     drafter_attention: str = "auto"
+    drafter_swiglu: str = "auto"
     matmul: str = "auto"
     rms_norm: str = "auto"
     mla_kernel: str = "auto"
@@ -377,6 +378,39 @@ def _drafter_attention_bwd(layer, eps, scale, impl: str, residuals, grad):
 
 
 _drafter_attention_kernel.defvjp(_drafter_attention_fwd, _drafter_attention_bwd)
+
+
+def drafter_swiglu(kernels: Kernels, x: jax.Array, weights: reference.DrafterSwigluWeights, eps: float) -> jax.Array:
+    """A drafter layer's post-attention norm, gate and up and SwiGLU: x `[..., H]` -> `[..., I]` in x.dtype, see
+    `reference.drafter_swiglu_reference`. The Pallas kernel (`drafter_swiglu.py`) is one launch; it takes small
+    drafters only, `auto` runs the reference for others. Its gradient is the reference's, so the drafter trains
+    through either."""
+    from pallas_kernels.drafter_swiglu import unsupported
+
+    impl = _choose("drafter_swiglu", kernels.drafter_swiglu, True, unsupported(x, weights))
+    if impl != "reference":
+        return _drafter_swiglu_kernel(x, weights, float(eps), impl)
+    return reference.drafter_swiglu_reference(x, weights, eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _drafter_swiglu_kernel(x: jax.Array, weights: reference.DrafterSwigluWeights, eps: float, impl: str) -> jax.Array:
+    """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the reference."""
+    from pallas_kernels.drafter_swiglu import drafter_swiglu_pallas
+
+    return drafter_swiglu_pallas(x, weights, eps, interpret=impl == "interpret")
+
+
+def _drafter_swiglu_fwd(x: jax.Array, weights: reference.DrafterSwigluWeights, eps: float, impl: str):
+    return _drafter_swiglu_kernel(x, weights, eps, impl), (x, weights)
+
+
+def _drafter_swiglu_bwd(eps: float, impl: str, residuals: tuple, grad: jax.Array):
+    _, vjp = jax.vjp(lambda x, w: reference.drafter_swiglu_reference(x, w, eps), *residuals)
+    return vjp(grad)
+
+
+_drafter_swiglu_kernel.defvjp(_drafter_swiglu_fwd, _drafter_swiglu_bwd)
 
 
 def _moe_kernel():

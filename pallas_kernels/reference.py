@@ -190,6 +190,24 @@ class DrafterAttentionWeights(NamedTuple):
     kv_proj: jax.Array
 
 
+class DrafterSwigluWeights(NamedTuple):
+    """The first half of one drafter layer's feed-forward weights: norm `[H]` (the post-attention RMS norm), gate
+    and up `[H, I]`."""
+
+    norm: jax.Array
+    gate: jax.Array
+    up: jax.Array
+
+
+def drafter_swiglu_reference(x: jax.Array, w: DrafterSwigluWeights, eps: float) -> jax.Array:
+    """silu(a @ gate) * (a @ up) with a = rms_norm(x, w.norm) for x `[..., H]` -> `[..., I]` in x.dtype: the products
+    accumulated in f32, the SwiGLU rounded to x.dtype (the input of the layer's down product)."""
+    a = rms_norm(x, w.norm, eps)
+    g = jnp.dot(a, w.gate, preferred_element_type=jnp.float32)
+    u = jnp.dot(a, w.up, preferred_element_type=jnp.float32)
+    return (jax.nn.silu(g) * u).astype(x.dtype)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """g * cast_back(x_f32 / sqrt(mean(x_f32^2) + eps)), over the last axis (also the models' norm:
     `ddtree_jax.models.layers` takes it from here)."""

@@ -83,7 +83,15 @@ def test_environment_chooses_the_default_selection():
     assert Kernels.from_env(env) == Kernels(
         **dict.fromkeys(dispatch.OPS, "reference"), mla_kernel="triton", topk_chunk=0
     )
-    assert dispatch.OPS == ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "matmul", "rms_norm")
+    assert dispatch.OPS == (
+        "moe_swiglu",
+        "mla_attention",
+        "build_tree",
+        "drafter_attention",
+        "drafter_swiglu",
+        "matmul",
+        "rms_norm",
+    )
     assert Kernels.from_env({}) == Kernels() and hash(Kernels.from_env({})) == hash(Kernels())
 
 

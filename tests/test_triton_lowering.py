@@ -12,11 +12,12 @@ import pytest
 
 from experiments.mla_common import abstract_inputs, lower_for_h200
 from pallas_kernels.drafter_attention import drafter_attention_pallas
+from pallas_kernels.drafter_swiglu import drafter_swiglu_pallas
 from pallas_kernels.exact_matmul import head_matmul_pallas, matmul_pallas
 from pallas_kernels.exact_norm import rms_norm_pallas
 from pallas_kernels.mla_attention import mla_attention_pallas
 from pallas_kernels.mla_exact import mla_output_exact
-from pallas_kernels.reference import DrafterAttentionWeights
+from pallas_kernels.reference import DrafterAttentionWeights, DrafterSwigluWeights
 from pallas_kernels.tree_build import build_tree_pallas
 
 
@@ -113,6 +114,16 @@ def test_drafter_attention_kernel_multiplies_float32_in_float32(dtype):
         found = dot_precisions(jax.make_jaxpr(drafter)(*drafter_inputs(2, 256, dtype, k26=False)).jaxpr)
     highest = [p == (jax.lax.Precision.HIGHEST,) * 2 for p in found]
     assert found and (all(highest) if dtype == jnp.float32 else not any(highest))
+
+
+@pytest.mark.parametrize(
+    ("rows", "hidden", "inner", "dtype"), [(256, 256, 1536, jnp.bfloat16), (8, 128, 96, jnp.float32)]
+)
+def test_drafter_swiglu_kernel_lowers(rows, hidden, inner, dtype):
+    """The mini drafter's FFN at 32 rows of 8, and the largest hidden size the kernel takes, in f32."""
+    weights = DrafterSwigluWeights(spec((hidden,), dtype), spec((hidden, inner), dtype), spec((hidden, inner), dtype))
+    text = lower_for_h200(lambda x, w: drafter_swiglu_pallas(x, w, 1e-6), spec((rows, hidden), dtype), weights)
+    assert "__gpu$xla.gpu.triton" in text and "drafter_swiglu" in text
 
 
 # K2.6's dense products: q_a_proj, kv_a_proj (576 columns), the f32 router (384 experts), lm_head.

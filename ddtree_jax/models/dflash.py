@@ -25,7 +25,7 @@ from ddtree_jax.models.kimi import DenseMLP, norm_spec
 from ddtree_jax.models.layers import rms_norm, rope_cos_sin, rope_half, yarn_inv_freq
 from ddtree_jax.models.params import ParamPath, WeightSpec, init_params, param_table
 from pallas_kernels.dispatch import Kernels
-from pallas_kernels.reference import DrafterAttentionWeights
+from pallas_kernels.reference import DrafterAttentionWeights, DrafterSwigluWeights
 
 
 class DrafterCache(NamedTuple):
@@ -133,7 +133,8 @@ class DFlashDrafter(nnx.Module):
         context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`. Each layer's
         attention block, from its input norm to the attention output, is one `sharding.drafter_attention` (one
         kernel launch on a GPU; the RoPE tables of the block's positions are computed once for all layers), then
-        o_proj and the FFN. kernels: the kernel selection (None: `Kernels.from_env()`; the engine passes its
+        o_proj, then the FFN: its norm, gate and up and SwiGLU one `sharding.drafter_swiglu` (one launch on a GPU),
+        its down product XLA's. kernels: the kernel selection (None: `Kernels.from_env()`; the engine passes its
         `GenSpec.kernels`)."""
         kernels = Kernels.or_env(kernels)
         c = self.config
@@ -148,7 +149,10 @@ class DFlashDrafter(nnx.Module):
             o = sharding.drafter_attention(kernels, x, weights, cache.k, cache.v, cache_len, cos, sin, **kw)
             o = o.reshape(b, s, c.num_attention_heads * c.head_dim)
             x = x + jnp.dot(o, layer.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype)
-            x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm[...], c.rms_norm_eps))
+            mlp = layer.mlp
+            ffn_in = DrafterSwigluWeights(layer.post_attention_layernorm[...], mlp.gate_proj[...], mlp.up_proj[...])
+            h = sharding.drafter_swiglu(kernels, x, ffn_in, c.rms_norm_eps)
+            x = x + jnp.dot(h, mlp.down_proj[...], preferred_element_type=jnp.float32).astype(x.dtype)
         return rms_norm(x, self.norm[...], c.rms_norm_eps)
 
 
