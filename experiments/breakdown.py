@@ -17,8 +17,10 @@ negative. Writes <out_dir>/<name>.json and .md (default breakdown).
 
 from __future__ import annotations
 
+import gzip
 import os
 import statistics
+from pathlib import Path
 
 from absl import flags
 from tqdm import tqdm
@@ -45,6 +47,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("top_kernels", 12, "costliest kernels recorded per method (all of a round's: e.g. 400)")
 flags.DEFINE_string("name", "breakdown", "results file name")
+flags.DEFINE_bool("save_hlo", False, "also write each method's compiled program, <name>_<method><budget>.hlo.txt.gz")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
 PIECES = ("draft", "tree", "verify", "accept", "step", "other")  # `step`: the AR round; `other`: loop ops outside
@@ -57,9 +60,9 @@ def median_wall(gen, prompts, kw: dict) -> float:
     return statistics.median(gen.generate(prompts, **kw).wall_s for _ in range(FLAGS.repeats))
 
 
-def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, int]], list[str], list]:
+def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, int]], list[str], list, str]:
     """({scope: (device microseconds, kernels)}, the most frequent ops no scope claimed, the costliest kernels
-    `device_profile.costliest`) of one run of `spec`'s program under the profiler."""
+    `device_profile.costliest`, the compiled program's HLO text) of one run of `spec`'s program under the profiler."""
     (program, _, _), _ = gen.compiled(spec)
     text = program.as_text()
     ops = device_profile.profiled_ops(lambda: gen.generate(prompts, **kw), text)
@@ -68,6 +71,7 @@ def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, in
         device_profile.per_scope(ops, scope_map),
         device_profile.unattributed(ops, scope_map),
         device_profile.costliest(ops, scope_map, FLAGS.top_kernels),
+        text,
     )
 
 
@@ -102,7 +106,10 @@ def main(_) -> None:
         iterations = max(st["rounds"] for st in first.stats)  # the loop runs until its slowest row is done
         committed = sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
         round_s = (median_wall(gen, prompts, full) - median_wall(gen, prompts, prefill_only)) / iterations
-        scopes, misses, top = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
+        scopes, misses, top, hlo = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
+        if FLAGS.save_hlo:  # which ops each kernel of top_kernels runs
+            out = Path(FLAGS.out_dir) if FLAGS.out_dir else common.RESULTS_DIR
+            (out / f"{FLAGS.name}_{method}{budget}.hlo.txt.gz").write_bytes(gzip.compress(hlo.encode()))
         scopes.pop("prefill", None)
         per_round = {p: scopes.get(p, (0.0, 0)) for p in PIECES}
         busy_ms = sum(us for us, _ in per_round.values()) / 1e3 / iterations

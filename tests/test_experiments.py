@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -166,9 +167,11 @@ def test_breakdown(tiny_pair, tmp_path):
         "--repeats=5",
         "--max_new_tokens=256",
         "--compile_workers=2",
+        "--save_hlo",
         f"--out_dir={tmp_path}",
     )
     ar, dd = records(tmp_path / "breakdown.json")
+    assert "ENTRY" in gzip.decompress((tmp_path / "breakdown_ddtree4.hlo.txt.gz").read_bytes()).decode()
     assert all(dd[k] for k in META) and ar["round_ms"] > 0 and dd["round_ms"] > 0
     # every kernel of a round lands in its own piece: the AR step has none of the speculative pieces and v.v.
     assert ar["step_kernels"] > 0 and all(ar[f"{p}_kernels"] == 0 for p in ("draft", "tree", "verify", "accept"))
