@@ -281,6 +281,15 @@ def drafter_swiglu(kernels: dispatch.Kernels, x: jax.Array, weights: DrafterSwig
     )(x, weights)
 
 
+def drafter_residual(kernels: dispatch.Kernels, residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`dispatch.drafter_residual` (residual + x @ w) without an active mesh. Under one, w's rows (o_proj's heads,
+    down's inner columns) are split over devices and the product is a sum over them, so the plain expression runs:
+    XLA's partial products and their all-reduce, then the add."""
+    if _active is None:
+        return dispatch.drafter_residual(kernels, residual, x, w)
+    return residual + jnp.dot(x, w, preferred_element_type=jnp.float32).astype(residual.dtype)
+
+
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------
 
 

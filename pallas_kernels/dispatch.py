@@ -1,13 +1,14 @@
 """The one dispatch point between models and kernels, and the kernel selection as one value.
 
 `Kernels` says which implementation each op runs: `moe_swiglu`, `mla_attention`, `build_tree`, `drafter_attention`,
-`drafter_swiglu`, `matmul` and `rms_norm` take "auto" (the Pallas GPU kernel on a GPU, the plain-JAX reference
-elsewhere), "reference", "pallas" or "interpret" (the Pallas kernel in interpret mode, to run the kernel path on a
-CPU). For MLA attention in Pallas mode `mla_kernel` picks the Pallas-Triton kernel (`mla_attention.py`, any head dim)
-or the Mosaic GPU one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 | value_dim): "triton", "mosaic", or "auto"
-(Mosaic on a Hopper GPU for calls with at least MOSAIC_MIN_ROWS query rows, nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic
-kernel's tiling (None: the default `MosaicMLAConfig()`), and `topk_chunk` the row length of the chunk-wise exact top-k
-of the tree build (`ddtree_jax.topk`; 0: plain `lax.top_k`).
+`drafter_swiglu`, `drafter_residual`, `matmul` and `rms_norm` take "auto" (the Pallas GPU kernel on a GPU, the
+plain-JAX reference elsewhere), "reference", "pallas" or "interpret" (the Pallas kernel in interpret mode, to run the
+kernel path on a CPU). For MLA attention in Pallas mode `mla_kernel` picks the Pallas-Triton kernel
+(`mla_attention.py`, any head dim) or the Mosaic GPU one (`mla_mosaic.py`, Hopper; bf16 cache, 64 | Dk, 128 |
+value_dim): "triton", "mosaic", or "auto" (Mosaic on a Hopper GPU for calls with at least MOSAIC_MIN_ROWS query rows,
+nodes x heads; Triton for fewer). `mla_tiling` is the Mosaic kernel's tiling (None: the default `MosaicMLAConfig()`),
+and `topk_chunk` the row length of the chunk-wise exact top-k of the tree build (`ddtree_jax.topk`; 0: plain
+`lax.top_k`).
 
 `exact` selects the batch-invariant numerics of the target: its dense products (`matmul`, `residual_matmul`,
 `head_matmul`) run the
@@ -44,7 +45,16 @@ if TYPE_CHECKING:
     from pallas_kernels.mla_mosaic import MosaicMLAConfig
 
 MODES = ("auto", "reference", "pallas", "interpret")
-OPS = ("moe_swiglu", "mla_attention", "build_tree", "drafter_attention", "drafter_swiglu", "matmul", "rms_norm")
+OPS = (
+    "moe_swiglu",
+    "mla_attention",
+    "build_tree",
+    "drafter_attention",
+    "drafter_swiglu",
+    "drafter_residual",
+    "matmul",
+    "rms_norm",
+)
 MLA_KERNELS = ("auto", "triton", "mosaic")
 MOSAIC_MIN_ROWS = 64
 TOPK_CHUNK = 512
@@ -63,6 +73,7 @@ class Kernels:
     build_tree: str = "auto"
     drafter_attention: str = "auto"
     drafter_swiglu: str = "auto"
+    drafter_residual: str = "auto"
     matmul: str = "auto"
     rms_norm: str = "auto"
     mla_kernel: str = "auto"
@@ -411,6 +422,43 @@ def _drafter_swiglu_bwd(eps: float, impl: str, residuals: tuple, grad: jax.Array
 
 
 _drafter_swiglu_kernel.defvjp(_drafter_swiglu_fwd, _drafter_swiglu_bwd)
+
+
+def drafter_residual(kernels: Kernels, residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+    """A drafter layer's residual update (o_proj, down): residual `[..., N]` + (x `[..., K]` @ w `[K, N]`,
+    accumulated in f32, rounded to residual's dtype). The Pallas kernel is `exact_matmul.matmul_pallas` with the add
+    as its epilogue (one launch where XLA runs the product and an add); its gradient is the plain expression's."""
+    unsupported = (
+        ""
+        if x.dtype == w.dtype
+        else f"the drafter's residual product takes x and w of one dtype, not {x.dtype}, {w.dtype}"
+    )
+    impl = _choose("drafter_residual", kernels.drafter_residual, True, unsupported)
+    if impl != "reference":
+        return _drafter_residual_kernel(residual, x, w, impl)
+    return _residual_reference(residual, x, w)
+
+
+def _residual_reference(residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+    return residual + jnp.dot(x, w, preferred_element_type=jnp.float32).astype(residual.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _drafter_residual_kernel(residual: jax.Array, x: jax.Array, w: jax.Array, impl: str) -> jax.Array:
+    """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the plain expression."""
+    return _invariant_matmul(impl, x, w, residual.dtype, residual=residual)
+
+
+def _drafter_residual_fwd(residual: jax.Array, x: jax.Array, w: jax.Array, impl: str):
+    return _drafter_residual_kernel(residual, x, w, impl), (residual, x, w)
+
+
+def _drafter_residual_bwd(impl: str, residuals: tuple, grad: jax.Array):
+    _, vjp = jax.vjp(_residual_reference, *residuals)
+    return vjp(grad)
+
+
+_drafter_residual_kernel.defvjp(_drafter_residual_fwd, _drafter_residual_bwd)
 
 
 def _moe_kernel():

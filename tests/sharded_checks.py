@@ -33,8 +33,9 @@ BATCH, PROMPT, NEW, BUDGET = 2, 6, 16, 8
 
 def pair() -> tuple[KimiForCausalLM, DFlashDrafter]:
     target = KimiForCausalLM(CFG, rngs=nnx.Rngs(3), dtype=jnp.float32)
-    # KV heads split over tensor <= 4; head dim 32, the drafter kernel's least
-    drafter_cfg = tiny_dflash_config(CFG, num_key_value_heads=4, head_dim=32)
+    # KV heads split over tensor <= 4; head dim 32, the drafter attention kernel's least; 128 inner columns: 32 a
+    # device at tensor=4, a multiple of the SwiGLU kernel's 16
+    drafter_cfg = tiny_dflash_config(CFG, num_key_value_heads=4, head_dim=32, intermediate_size=128)
     return target, DFlashDrafter(drafter_cfg, rngs=nnx.Rngs(4), dtype=jnp.float32)
 
 
@@ -60,8 +61,9 @@ def generate_ar(target: KimiForCausalLM, prompts: np.ndarray, plen: np.ndarray) 
 
 
 def drafter_hidden(drafter: DFlashDrafter, mode: str) -> np.ndarray:
-    """The drafter's output `[B, S, H]` on fixed inputs (context lengths 0 and 7 of 16 slots), its attention run in
-    `mode` (under the active mesh: per device on its heads, `sharding.drafter_attention`)."""
+    """The drafter's output `[B, S, H]` on fixed inputs (context lengths 0 and 7 of 16 slots), its attention and
+    SwiGLU run in `mode` (under the active mesh per device: on its heads, `sharding.drafter_attention`, and on its
+    inner columns, `sharding.drafter_swiglu`)."""
     c, b, ctx = drafter.config, 2, 10
     rng = np.random.default_rng(6)
     feats = jnp.asarray(rng.standard_normal((b, ctx, len(c.target_layer_ids) * c.hidden_size)), jnp.float32)
@@ -76,7 +78,8 @@ def drafter_hidden(drafter: DFlashDrafter, mode: str) -> np.ndarray:
             d.init_cache(b, 16), feats, jnp.arange(ctx)[None].repeat(b, 0), jnp.zeros((b,), jnp.int32)
         )
         positions = cache_len[:, None] + jnp.arange(c.block_size)[None, :]
-        return d(embeds, positions, cache, cache_len, Kernels().with_mode(mode, op="drafter_attention"))
+        kernels = Kernels().with_mode(mode, op="drafter_attention").with_mode(mode, op="drafter_swiglu")
+        return d(embeds, positions, cache, cache_len, kernels)
 
     return np.asarray(run(state))
 

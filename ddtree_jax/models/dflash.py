@@ -133,8 +133,9 @@ class DFlashDrafter(nnx.Module):
         context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`. Each layer's
         attention block, from its input norm to the attention output, is one `sharding.drafter_attention` (one
         kernel launch on a GPU; the RoPE tables of the block's positions are computed once for all layers), then
-        o_proj, then the FFN: its norm, gate and up and SwiGLU one `sharding.drafter_swiglu` (one launch on a GPU),
-        its down product XLA's. kernels: the kernel selection (None: `Kernels.from_env()`; the engine passes its
+        o_proj and the residual add (`sharding.drafter_residual`, one launch on a GPU), then the FFN: its norm,
+        gate and up and SwiGLU one `sharding.drafter_swiglu` (one launch on a GPU), its down product and the residual
+        add another `drafter_residual`. kernels: the kernel selection (None: `Kernels.from_env()`; the engine passes its
         `GenSpec.kernels`)."""
         kernels = Kernels.or_env(kernels)
         c = self.config
@@ -148,11 +149,11 @@ class DFlashDrafter(nnx.Module):
             kw = {"layer": i, "eps": c.rms_norm_eps, "scale": c.head_dim**-0.5}
             o = sharding.drafter_attention(kernels, x, weights, cache.k, cache.v, cache_len, cos, sin, **kw)
             o = o.reshape(b, s, c.num_attention_heads * c.head_dim)
-            x = x + jnp.dot(o, layer.o_proj[...], preferred_element_type=jnp.float32).astype(x.dtype)
+            x = sharding.drafter_residual(kernels, x, o, layer.o_proj[...])
             mlp = layer.mlp
             ffn_in = DrafterSwigluWeights(layer.post_attention_layernorm[...], mlp.gate_proj[...], mlp.up_proj[...])
             h = sharding.drafter_swiglu(kernels, x, ffn_in, c.rms_norm_eps)
-            x = x + jnp.dot(h, mlp.down_proj[...], preferred_element_type=jnp.float32).astype(x.dtype)
+            x = sharding.drafter_residual(kernels, x, h, mlp.down_proj[...])
         return rms_norm(x, self.norm[...], c.rms_norm_eps)
 
 
