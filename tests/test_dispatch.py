@@ -89,6 +89,7 @@ def test_environment_chooses_the_default_selection():
         "build_tree",
         "drafter_attention",
         "drafter_swiglu",
+        "drafter_residual",
         "matmul",
         "rms_norm",
     )
