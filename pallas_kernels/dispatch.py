@@ -58,6 +58,7 @@ OPS = (
 MLA_KERNELS = ("auto", "triton", "mosaic")
 MOSAIC_MIN_ROWS = 64
 TOPK_CHUNK = 512
+RESIDUAL_MAX_BYTES = 1 << 20  # drafter_residual's kernel re-reads w per 16-row tile: small drafters only
 _logged: set[tuple[str, str]] = set()
 
 
@@ -427,12 +428,17 @@ _drafter_swiglu_kernel.defvjp(_drafter_swiglu_fwd, _drafter_swiglu_bwd)
 def drafter_residual(kernels: Kernels, residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
     """A drafter layer's residual update (o_proj, down): residual `[..., N]` + (x `[..., K]` @ w `[K, N]`,
     accumulated in f32, rounded to residual's dtype). The Pallas kernel is `exact_matmul.matmul_pallas` with the add
-    as its epilogue (one launch where XLA runs the product and an add); its gradient is the plain expression's."""
-    unsupported = (
-        ""
-        if x.dtype == w.dtype
-        else f"the drafter's residual product takes x and w of one dtype, not {x.dtype}, {w.dtype}"
-    )
+    as its epilogue (one launch where XLA runs the product and an add); it reads w once per 16 rows, so it takes
+    weights of at most RESIDUAL_MAX_BYTES and `auto` runs the plain expression (XLA's GEMM) for a larger drafter. Its
+    gradient is the plain expression's."""
+    weight_bytes = w.size * w.dtype.itemsize
+    unsupported = ""
+    if x.dtype != w.dtype:
+        unsupported = f"the drafter's residual product takes x and w of one dtype, not {x.dtype}, {w.dtype}"
+    elif weight_bytes > RESIDUAL_MAX_BYTES:
+        unsupported = (
+            f"the drafter's residual kernel takes weights of at most {RESIDUAL_MAX_BYTES} bytes, not {weight_bytes}"
+        )
     impl = _choose("drafter_residual", kernels.drafter_residual, True, unsupported)
     if impl != "reference":
         return _drafter_residual_kernel(residual, x, w, impl)
