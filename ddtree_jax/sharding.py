@@ -47,7 +47,7 @@ from jax.typing import DTypeLike
 from ddtree_jax import topk
 from ddtree_jax.mesh_spec import MESH_AXES, MeshSpecError, parse_mesh_spec
 from ddtree_jax.models.params import ParamPath, WeightSpec, param_table
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, reference
 from pallas_kernels.reference import DrafterAttentionWeights, DrafterSwigluWeights
 
 # Logical axis -> mesh axes. The one place that says which mesh axis splits what.
@@ -287,7 +287,7 @@ def drafter_residual(kernels: dispatch.Kernels, residual: jax.Array, x: jax.Arra
     XLA's partial products and their all-reduce, then the add."""
     if _active is None:
         return dispatch.drafter_residual(kernels, residual, x, w)
-    return residual + jnp.dot(x, w, preferred_element_type=jnp.float32).astype(residual.dtype)
+    return reference.residual_update(residual, x, w)
 
 
 # ---- vocab-parallel top-K for the DDTree build ------------------------------------------------

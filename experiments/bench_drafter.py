@@ -6,18 +6,19 @@ context used or the cache allocated.
     python -m experiments.bench_drafter --tiny --modes=reference,interpret --allocations=32,64 --context=10  # CPU
 
 Builds the Kimi DFlash drafter (experiments/configs/kimi-k2.5-dflash; --tiny: toy dimensions) with random bf16 weights.
-Per (implementation of its attention blocks of `--modes`, a `Kernels.drafter_attention` mode; concurrency B; allocation
-L): a drafter cache `[layers, B, L, kv_heads, head_dim]` of random values whose first `--context` slots are valid, and
-drafter forwards on a block of random embeddings (`--projections=xla`: the Pallas block's projections in XLA whatever
-their size). Timed inside one jitted program: a `lax.fori_loop` of k forwards whose carry is the whole input state (the
-block embeddings and the drafter cache k, v), each pass's output hidden `[B, S, H]` the next pass's block embeddings,
-the carry through an optimization barrier every pass (XLA can neither hoist a forward's work out of the loop nor fuse
-passes); positions and cache_len stay fixed, so every pass attends to the same `--context` slots. ms per forward =
-(median of the 2N-pass program - median of the N-pass one) / N (`mla_common.per_call_time`, N = `--inner`, each program
-compiled once, on threads beside the plain forward, and run `--repeats` times after a warm-up), which leaves out what a
-program pays once (dispatch, the sync, the copy of the un-donated cache into the loop). `max_diff`: one plain forward's
-output (outside the timing), its largest difference from the first mode's at the same cell (the kernel checked against
-the reference on the device). Results: <out_dir>/<--name>.json and .md, written after every cell.
+Per (implementation of its attention blocks of `--modes`, a `Kernels.drafter_attention` mode, its other ops on `auto`;
+concurrency B; allocation L): a drafter cache `[layers, B, L, kv_heads, head_dim]` of random values whose first
+`--context` slots are valid, and drafter forwards on a block of random embeddings (`--projections=xla`: the Pallas
+block's projections in XLA whatever their size). Timed inside one jitted program: a `lax.fori_loop` of k forwards whose
+carry is the whole input state (the block embeddings and the drafter cache k, v), each pass's output hidden `[B, S, H]`
+the next pass's block embeddings, the carry through an optimization barrier every pass (XLA can neither hoist a
+forward's work out of the loop nor fuse passes); positions and cache_len stay fixed, so every pass attends to the same
+`--context` slots. ms per forward = (median of the 2N-pass program - median of the N-pass one) / N
+(`mla_common.per_call_time`, N = `--inner`, each program compiled once, on threads beside the plain forward, and run
+`--repeats` times after a warm-up), which leaves out what a program pays once (dispatch, the sync, the copy of the
+un-donated cache into the loop). `max_diff`: one plain forward's output (outside the timing), its largest difference
+from the first mode's at the same cell (the kernel checked against the reference on the device). Results:
+<out_dir>/<--name>.json and .md, written after every cell.
 """
 
 from __future__ import annotations

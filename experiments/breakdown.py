@@ -12,7 +12,8 @@ pieces, `idle_ms` = round_ms - device-busy time; `top_kernels`: the --top_kernel
 microseconds per round, launches per round]. Prefill is excluded. On a CPU the per-op events of a multi-threaded
 runtime overlap, so only the GPU numbers add up. On a GPU XLA runs the loop body as one CUDA graph: its kernels follow
 each other without launch gaps, and the profiler stretches them a little, so `idle_ms` comes out near zero or slightly
-negative. Writes <out_dir>/<name>.json and .md (default breakdown).
+negative. Writes <out_dir>/<name>.json and .md (default breakdown); with --save_hlo also each method's compiled
+program, <name>_<method><budget>.hlo.txt.gz.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import gzip
 import os
 import statistics
-from pathlib import Path
 
 from absl import flags
 from tqdm import tqdm
@@ -107,9 +107,6 @@ def main(_) -> None:
         committed = sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
         round_s = (median_wall(gen, prompts, full) - median_wall(gen, prompts, prefill_only)) / iterations
         scopes, misses, top, hlo = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
-        if FLAGS.save_hlo:  # which ops each kernel of top_kernels runs
-            out = Path(FLAGS.out_dir) if FLAGS.out_dir else common.RESULTS_DIR
-            (out / f"{FLAGS.name}_{method}{budget}.hlo.txt.gz").write_bytes(gzip.compress(hlo.encode()))
         scopes.pop("prefill", None)
         per_round = {p: scopes.get(p, (0.0, 0)) for p in PIECES}
         busy_ms = sum(us for us, _ in per_round.values()) / 1e3 / iterations
@@ -139,7 +136,10 @@ def main(_) -> None:
             **meta,
         }
         records.append(rec)
-        common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None)
+        json_path = common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None)
+        if FLAGS.save_hlo:  # which ops each kernel of top_kernels runs
+            hlo_path = json_path.with_name(f"{FLAGS.name}_{method}{budget}.hlo.txt.gz")
+            hlo_path.write_bytes(gzip.compress(hlo.encode()))
     print(common.markdown_table(records, COLUMNS))
 
 

@@ -426,8 +426,8 @@ _drafter_swiglu_kernel.defvjp(_drafter_swiglu_fwd, _drafter_swiglu_bwd)
 
 
 def drafter_residual(kernels: Kernels, residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
-    """A drafter layer's residual update (o_proj, down): residual `[..., N]` + (x `[..., K]` @ w `[K, N]`,
-    accumulated in f32, rounded to residual's dtype). The Pallas kernel is `exact_matmul.matmul_pallas` with the add
+    """A drafter layer's residual update (o_proj, down): `reference.residual_update`, residual `[..., N]` + x
+    `[..., K]` @ w `[K, N]`. The Pallas kernel is `exact_matmul.matmul_pallas` with the add
     as its epilogue (one launch where XLA runs the product and an add); it reads w once per 16 rows, so it takes
     weights of at most RESIDUAL_MAX_BYTES and `auto` runs the plain expression (XLA's GEMM) for a larger drafter. Its
     gradient is the plain expression's."""
@@ -442,11 +442,7 @@ def drafter_residual(kernels: Kernels, residual: jax.Array, x: jax.Array, w: jax
     impl = _choose("drafter_residual", kernels.drafter_residual, True, unsupported)
     if impl != "reference":
         return _drafter_residual_kernel(residual, x, w, impl)
-    return _residual_reference(residual, x, w)
-
-
-def _residual_reference(residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
-    return residual + jnp.dot(x, w, preferred_element_type=jnp.float32).astype(residual.dtype)
+    return reference.residual_update(residual, x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -460,7 +456,7 @@ def _drafter_residual_fwd(residual: jax.Array, x: jax.Array, w: jax.Array, impl:
 
 
 def _drafter_residual_bwd(impl: str, residuals: tuple, grad: jax.Array):
-    _, vjp = jax.vjp(_residual_reference, *residuals)
+    _, vjp = jax.vjp(reference.residual_update, *residuals)
     return vjp(grad)
 
 

@@ -190,6 +190,12 @@ class DrafterAttentionWeights(NamedTuple):
     kv_proj: jax.Array
 
 
+def residual_update(residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+    """residual `[..., N]` + (x `[..., K]` @ w `[K, N]` accumulated in f32, rounded to residual's dtype), the add in
+    f32 and rounded again: a layer's update of its residual stream."""
+    return residual + jnp.dot(x, w, preferred_element_type=jnp.float32).astype(residual.dtype)
+
+
 class DrafterSwigluWeights(NamedTuple):
     """The first half of one drafter layer's feed-forward weights: norm `[H]` (the post-attention RMS norm), gate
     and up `[H, I]`."""

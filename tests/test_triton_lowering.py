@@ -156,11 +156,16 @@ def test_exact_normed_matmul_lowers(weight):
     assert "__gpu$xla.gpu.triton" in text and "exact_normed_matmul" in text
 
 
-def test_exact_residual_matmul_lowers():
-    """K2.6's o_proj `[8192, 7168]` with the residual stream added in its epilogue, 17 rows."""
+@pytest.mark.parametrize(
+    ("rows", "weight"),
+    [(17, (8192, 7168)), (256, (512, 256)), (256, (1536, 256))],
+)
+def test_exact_residual_matmul_lowers(rows, weight):
+    """K2.6's o_proj `[8192, 7168]` with the residual stream added in its epilogue, 17 rows; the shipped drafter's
+    o_proj and down (`dispatch.drafter_residual`) at 32 rows of 8."""
     bf16 = jnp.bfloat16
     fn = lambda r, x, w: matmul_pallas(x, w, bf16, residual=r)
-    text = lower_for_h200(fn, spec((17, 7168), bf16), spec((17, 8192), bf16), spec((8192, 7168), bf16))
+    text = lower_for_h200(fn, spec((rows, weight[1]), bf16), spec((rows, weight[0]), bf16), spec(weight, bf16))
     assert "__gpu$xla.gpu.triton" in text and "exact_matmul" in text
 
 

@@ -133,10 +133,11 @@ class DFlashDrafter(nnx.Module):
         context slots `< cache_len[b]` and to the whole block -> final-normed hidden `[B, S, H]`. Each layer's
         attention block, from its input norm to the attention output, is one `sharding.drafter_attention` (one
         kernel launch on a GPU; the RoPE tables of the block's positions are computed once for all layers), then
-        o_proj and the residual add (`sharding.drafter_residual`, one launch on a GPU), then the FFN: its norm,
-        gate and up and SwiGLU one `sharding.drafter_swiglu` (one launch on a GPU), its down product and the residual
-        add another `drafter_residual`. kernels: the kernel selection (None: `Kernels.from_env()`; the engine passes its
-        `GenSpec.kernels`)."""
+        o_proj and the residual add (`sharding.drafter_residual`), then the FFN: its norm, gate and up and SwiGLU
+        (`sharding.drafter_swiglu`), and down and the residual add (`drafter_residual`). On a GPU without a mesh each
+        of those three is one launch for a small drafter (`drafter_swiglu.unsupported`,
+        `dispatch.RESIDUAL_MAX_BYTES`), XLA's products for a large one. kernels: the kernel selection (None:
+        `Kernels.from_env()`; the engine passes its `GenSpec.kernels`)."""
         kernels = Kernels.or_env(kernels)
         c = self.config
         x = block_embeds * c.input_embedding_scale

@@ -180,10 +180,10 @@ class DenseMLP(nnx.Module):
         self.hidden, self.inner, self.param_dtype = hidden, inner, dtype
         init_params(self, rngs)
 
-    def __call__(self, x: jax.Array, kernels: Kernels | None = None) -> jax.Array:
-        """x `[..., H]` -> `[..., H]`. kernels: the target's selection, its products through `dispatch.matmul`;
-        None: plain `jnp.dot` (the drafter's FFN)."""
-        matmul = jnp.dot if kernels is None else functools.partial(dispatch.matmul, kernels)
+    def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
+        """x `[..., H]` -> `[..., H]`, the products through `dispatch.matmul` under the target's selection `kernels`
+        (the drafter's FFN runs `dispatch.drafter_swiglu` and `drafter_residual` instead)."""
+        matmul = functools.partial(dispatch.matmul, kernels)
         with jax.named_scope("ffn"):
             return swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], matmul)
 
