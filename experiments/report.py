@@ -266,12 +266,12 @@ def auto_section(sweeps: list[dict]) -> list[str]:
 
 
 def exact_section(d: Path) -> list[str]:
-    """The exact numerics (`--exact`): the sweeps run with the switch on (every cell should be `correct`), and
-    `exact_check`'s cost at batch 1 (tokens/s on over off, same run)."""
+    """The exact numerics (`--exact`): the sweeps run with the switch on (every cell should be `correct`), and each
+    exact_check* record's identical cells, its cost at batch 1 (tokens/s on over off, same run) and `cost_table`."""
     runs = tagged_sweeps(d, "exact")
     recs = [r for p in runs for r in p["records"]]
-    check = load(d, "exact_check")
-    if not recs and not check:
+    checks = [(f.stem, p) for f in sorted(d.glob("exact_check*.json")) if (p := load(d, f.stem)) and p["records"]]
+    if not recs and not checks:
         return []
     out = ["## Exact numerics (`--exact`): speculative output bit-identical to AR"]
     if recs:
@@ -283,16 +283,32 @@ def exact_section(d: Path) -> list[str]:
                 recs, ["axis", "method", "budget", "concurrency", "context", "tokens_per_s", "speedup", "correct"]
             ),
         ]
-    if check:
+    for name, check in checks:
         on = [r for r in check["records"] if r["exact"] == "on"]
         one = [r for r in on if r["batch"] == 1 and r["vs_off"] is not None]
         cost = ", ".join(f"{r['method']} b{r['budget']} ctx {r['context']} {r['vs_off']:.2f}" for r in one)
         out.append(
-            f"`exact_check` ({meta_line(check)}): {sum(r['rows_differ'] == 0 for r in on)} of {len(on)} cells with "
-            "no row differing from batch-1 AR; cost at batch 1, tokens/s on over off: "
+            f"`{name}` ({meta_line(check)}): {sum(r['rows_differ'] == 0 for r in on)} of {len(on)} cells "
+            "with no row differing from batch-1 AR; cost at batch 1, tokens/s on over off: "
             + (cost or "not measured (the run without the switch did not finish)")
         )
+        out += cost_table(check["records"])
     return out + segment_table(d)
+
+
+def cost_table(recs: list[dict]) -> list[str]:
+    """exact_check's cells measured on both sides of the switch: tokens/s with it, the ratio to without, and the
+    rows that differ from batch-1 AR on each side."""
+    off = {(r["context"], r["batch"], r["method"], r["budget"]): r for r in recs if r["exact"] == "off"}
+    rows = [
+        {**r, "rows_differ_off": off[key]["rows_differ"]}
+        for r in recs
+        if r["exact"] == "on"
+        and r["vs_off"] is not None
+        and (key := (r["context"], r["batch"], r["method"], r["budget"])) in off
+    ]
+    cols = ["context", "batch", "method", "budget", "tokens_per_s", "vs_off", "rows_differ", "rows_differ_off"]
+    return [common.markdown_table(rows, cols)] if rows else []
 
 
 def segment_table(d: Path) -> list[str]:

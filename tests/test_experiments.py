@@ -102,8 +102,9 @@ def test_sweep_all_axes_then_report(tiny_pair, tmp_path):
 
 def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
     """The report's auto section takes auto rows from sweep_<axis>_auto* records too, and its exact section the
-    sweep_<axis>_exact* records (their `correct` counted), exact_check's batch-1 cost (a cell without one is
-    counted, not costed) and a table of the breakdown_exact_seg<N>[_c32] round times, a column per segment length."""
+    sweep_<axis>_exact* records (their `correct` counted), each exact_check* record's batch-1 cost (a cell without
+    one is counted, not costed) and its cells measured on both sides, and a table of the
+    breakdown_exact_seg<N>[_c32] round times, a column per segment length."""
     meta = {"device": "H100", "backend": "gpu", "jax_version": "0.11.2", "commit": "abc", "date": "2026-12-06"}
     cell = {"axis": "concurrency", "concurrency": 64, "context": 60, "repeats": 7, "tokens_per_round": 4.6}
     cell |= {"tokens_per_s": 1.0, "correct": True, "budget": 7}
@@ -112,7 +113,9 @@ def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
     exact = [cell | {"method": m, "speedup": 1.0, "correct": m == "ar"} for m in ("ar", "dflash")]
     check = [{"exact": "on", "batch": 1, "method": "ar", "budget": 1, "context": 60, "rows_differ": 0, "vs_off": 0.92}]
     check.append(check[0] | {"method": "dflash", "budget": 7, "vs_off": None})  # its run without the switch cut short
-    for name, recs in (("sweep_concurrency_auto_repeat", auto), ("sweep_budget_exact", exact), ("exact_check", check)):
+    cost = [check[0] | {"vs_off": 1.04}, check[0] | {"exact": "off", "rows_differ": 13, "vs_off": None}]
+    runs = [("sweep_concurrency_auto_repeat", auto), ("sweep_budget_exact", exact), ("exact_check", check)]
+    for name, recs in [*runs, ("exact_check_cost_ctx60", cost)]:
         (tmp_path / f"{name}.json").write_text(json.dumps({"meta": meta, "records": recs}))
     for seg, rows, ms in ((128, 1, 0.4), (256, 1, 0.3), (256, 32, 0.5)):
         rec = {"method": "ar", "budget": 1, "concurrency": rows, "context": 1024, "exact_segment": seg, "round_ms": ms}
@@ -125,6 +128,7 @@ def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
     assert "| ddtree | 8 | 64 | 60 | 4.6 | 5 | 0.92 | abc 2026-12-06 |" in report  # the fixed rows at 32+ rows
     assert "1 of 2 cells give every row AR's tokens" in report and "ar b1 ctx 60 0.92" in report
     assert "2 of 2 cells with no row differing" in report and "dflash b7" not in report
+    assert "`exact_check_cost_ctx60`" in report and "| 60 | 1 | ar | 1 |  | 1.04 | 0 | 13 |" in report
     assert "| method | budget | rows | context | seg 128 | seg 256 |" in report
     assert "| ar | 1 | 1 | 1024 | 0.4 | 0.3 |" in report and "| ar | 1 | 32 | 1024 |  | 0.5 |" in report
 
