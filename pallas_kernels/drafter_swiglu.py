@@ -1,6 +1,6 @@
 """Pallas-Triton GPU kernel for the first half of a small drafter layer's feed-forward block: the post-attention RMS
 norm, gate and up, and SwiGLU in one launch, where XLA runs a norm fusion, the gate/up product and a SwiGLU fusion.
-The down product stays XLA's.
+The down product and its residual add are `dispatch.drafter_residual`.
 
 Semantics are those of `reference.drafter_swiglu_reference`, casts included: the norm in f32 rounded to x.dtype,
 gate and up accumulated in f32, the SwiGLU rounded to x.dtype. The grid is (row tile, inner tile): program (r, j)
