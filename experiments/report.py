@@ -299,14 +299,13 @@ def exact_section(d: Path) -> list[str]:
 def cost_table(recs: list[dict]) -> list[str]:
     """exact_check's cells measured on both sides of the switch: tokens/s with it, the ratio to without, and the
     rows that differ from batch-1 AR on each side."""
-    off = {(r["context"], r["batch"], r["method"], r["budget"]): r for r in recs if r["exact"] == "off"}
-    rows = [
-        {**r, "rows_differ_off": off[key]["rows_differ"]}
-        for r in recs
-        if r["exact"] == "on"
-        and r["vs_off"] is not None
-        and (key := (r["context"], r["batch"], r["method"], r["budget"])) in off
-    ]
+
+    def cell(r: dict) -> tuple:
+        return r["context"], r["batch"], r["method"], r["budget"]
+
+    off = {cell(r): r for r in recs if r["exact"] == "off"}
+    on = [r for r in recs if r["exact"] == "on" and r["vs_off"] is not None and cell(r) in off]
+    rows = [{**r, "rows_differ_off": off[cell(r)]["rows_differ"]} for r in on]
     cols = ["context", "batch", "method", "budget", "tokens_per_s", "vs_off", "rows_differ", "rows_differ_off"]
     return [common.markdown_table(rows, cols)] if rows else []
 

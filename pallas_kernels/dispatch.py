@@ -197,10 +197,10 @@ def matmul(kernels: Kernels, x: jax.Array, w: jax.Array, preferred_element_type:
 def residual_matmul(kernels: Kernels, residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
     """residual `[..., N]` + (x `[..., K]` @ w `[K, N]`, accumulated in f32, rounded to residual's dtype): a residual
     stream's update. Under `kernels.exact` with the `matmul` kernel selected, one row-invariant kernel that adds the
-    residual as its epilogue (`exact_matmul.matmul_pallas(..., residual=)`); else `matmul` then the add."""
+    residual as its epilogue (`exact_matmul.matmul_pallas(..., residual=)`); else `reference.residual_update`."""
     if impl := _invariant_products(kernels):
         return _invariant_matmul(impl, x, w, residual.dtype, residual=residual)
-    return residual + matmul(kernels, x, w, preferred_element_type=jnp.float32).astype(residual.dtype)
+    return reference.residual_update(residual, x, w)
 
 
 def _invariant_products(kernels: Kernels) -> str | None:

@@ -6,6 +6,7 @@ Kernels (and these references) know nothing of models: they take arrays.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -205,13 +206,20 @@ class DrafterSwigluWeights(NamedTuple):
     up: jax.Array
 
 
-def drafter_swiglu_reference(x: jax.Array, w: DrafterSwigluWeights, eps: float) -> jax.Array:
-    """silu(a @ gate) * (a @ up) with a = rms_norm(x, w.norm) for x `[..., H]` -> `[..., I]` in x.dtype: the products
-    accumulated in f32, the SwiGLU rounded to x.dtype (the input of the layer's down product)."""
-    a = rms_norm(x, w.norm, eps)
-    g = jnp.dot(a, w.gate, preferred_element_type=jnp.float32)
-    u = jnp.dot(a, w.up, preferred_element_type=jnp.float32)
+def swiglu_hidden(
+    x: jax.Array, gate: jax.Array, up: jax.Array, matmul: Callable[..., jax.Array] = jnp.dot
+) -> jax.Array:
+    """silu(x @ gate) * (x @ up) for x `[..., H]`, gate and up `[H, I]` -> `[..., I]` in x.dtype: the products
+    accumulated in f32 by `matmul(a, b, preferred_element_type=)` (default `jnp.dot`), the SwiGLU rounded to x.dtype
+    (the input of a feed-forward block's down product; also the models' `layers.swiglu`)."""
+    g = matmul(x, gate, preferred_element_type=jnp.float32)
+    u = matmul(x, up, preferred_element_type=jnp.float32)
     return (jax.nn.silu(g) * u).astype(x.dtype)
+
+
+def drafter_swiglu_reference(x: jax.Array, w: DrafterSwigluWeights, eps: float) -> jax.Array:
+    """`swiglu_hidden` of rms_norm(x, w.norm) for x `[..., H]` -> `[..., I]` in x.dtype."""
+    return swiglu_hidden(rms_norm(x, w.norm, eps), w.gate, w.up)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ddtree_jax.config import YarnConfig
 from pallas_kernels.reference import rms_norm as rms_norm  # one definition, the kernels' reference's
-from pallas_kernels.reference import rotate_half
+from pallas_kernels.reference import rotate_half, swiglu_hidden
 
 
 def yarn_inv_freq(dim: int, theta: float, yarn: YarnConfig | None) -> np.ndarray:
@@ -68,9 +68,7 @@ def swiglu(
 ) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)); weights `[in, out]`, f32 accumulation, result in x.dtype. `matmul(a, b,
     preferred_element_type=)` computes the three products (default `jnp.dot`)."""
-    g = matmul(x, gate, preferred_element_type=jnp.float32)
-    u = matmul(x, up, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    h = swiglu_hidden(x, gate, up, matmul)
     return matmul(h, down, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
