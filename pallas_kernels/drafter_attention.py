@@ -48,6 +48,8 @@ BLOCK_H = 128  # inputs per projection tile
 SPLIT_SLOTS = 256  # context slots per split at least (a whole number of tiles)
 PROGRAMS = 128  # programs a call aims for: about one per SM of an H100 (132)
 PROJECT_MAX_BYTES = 1 << 19  # a program's projection columns above this: the projections run in XLA
+NUM_WARPS = 4  # warps per program
+NUM_STAGES = 2  # software-pipelining stages of the loops over tiles
 
 Halves = tuple[jax.Array, jax.Array]  # one head's (low, high) halves `[R, hd/2]`
 
@@ -343,7 +345,7 @@ def drafter_attention_pallas(
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="drafter_attention",
     )(ctx_len.astype(jnp.int32), *args, w.q_norm, w.k_norm, cos, sin, ctx_k, ctx_v)
