@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import jax
@@ -348,48 +348,15 @@ def drafter_attention(
     stacked context cache `[layers, B, L, kvh, hd]` below ctx_len `[B]` and the block) -> `[B, S, nh, hd]`; see
     `reference.drafter_attention_reference`. The Pallas kernel (`drafter_attention.py`) is one launch and reads no
     cache slot past ctx_len; its gradient is the reference's, so the drafter trains through either."""
-    from pallas_kernels.drafter_attention import unsupported
+    from pallas_kernels.drafter_attention import drafter_attention_pallas, unsupported
 
     impl = _choose("drafter_attention", kernels.drafter_attention, True, unsupported(x, weights, ctx_k))
-    if impl != "reference":
-        return _drafter_attention_kernel(x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, eps, scale, impl)
-    return reference.drafter_attention_reference(
-        x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer=layer, eps=eps, scale=scale
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _drafter_attention_kernel(x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, eps, scale, impl: str):
-    """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the reference."""
-    from pallas_kernels.drafter_attention import drafter_attention_pallas
-
-    args = (x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, float(eps), float(scale))
-    return drafter_attention_pallas(*args, interpret=impl == "interpret")
-
-
-def _drafter_attention_fwd(x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, eps, scale, impl: str):
-    out = _drafter_attention_kernel(x, weights, ctx_k, ctx_v, ctx_len, cos, sin, layer, eps, scale, impl)
-    return out, (x, weights, ctx_k, ctx_v, ctx_len, cos, sin)
-
-
-def _drafter_attention_bwd(layer, eps, scale, impl: str, residuals, grad):
-    x, weights, ctx_k, ctx_v, ctx_len, cos, sin = residuals
-    _, vjp = jax.vjp(
-        lambda x, w, ck, cv, c, s: reference.drafter_attention_reference(
-            x, w, ck, cv, ctx_len, c, s, layer=layer, eps=eps, scale=scale
-        ),
-        x,
-        weights,
-        ctx_k,
-        ctx_v,
-        cos,
-        sin,
-    )
-    dx, dw, dck, dcv, dcos, dsin = vjp(grad)
-    return dx, dw, dck, dcv, None, dcos, dsin  # ctx_len: integer, no cotangent
-
-
-_drafter_attention_kernel.defvjp(_drafter_attention_fwd, _drafter_attention_bwd)
+    statics = dict(layer=layer, eps=float(eps), scale=float(scale))
+    plain = functools.partial(reference.drafter_attention_reference, **statics)
+    if impl == "reference":
+        return plain(x, weights, ctx_k, ctx_v, ctx_len, cos, sin)
+    kernel = functools.partial(drafter_attention_pallas, **statics, interpret=impl == "interpret")
+    return _with_reference_grad(kernel, plain, x, weights, ctx_k, ctx_v, ctx_len, cos, sin)
 
 
 def drafter_swiglu(kernels: Kernels, x: jax.Array, weights: reference.DrafterSwigluWeights, eps: float) -> jax.Array:
@@ -397,32 +364,14 @@ def drafter_swiglu(kernels: Kernels, x: jax.Array, weights: reference.DrafterSwi
     `reference.drafter_swiglu_reference`. The Pallas kernel (`drafter_swiglu.py`) is one launch; it takes small
     drafters only, `auto` runs the reference for others. Its gradient is the reference's, so the drafter trains
     through either."""
-    from pallas_kernels.drafter_swiglu import unsupported
+    from pallas_kernels.drafter_swiglu import drafter_swiglu_pallas, unsupported
 
     impl = _choose("drafter_swiglu", kernels.drafter_swiglu, True, unsupported(x, weights))
-    if impl != "reference":
-        return _drafter_swiglu_kernel(x, weights, float(eps), impl)
-    return reference.drafter_swiglu_reference(x, weights, eps)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _drafter_swiglu_kernel(x: jax.Array, weights: reference.DrafterSwigluWeights, eps: float, impl: str) -> jax.Array:
-    """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the reference."""
-    from pallas_kernels.drafter_swiglu import drafter_swiglu_pallas
-
-    return drafter_swiglu_pallas(x, weights, eps, interpret=impl == "interpret")
-
-
-def _drafter_swiglu_fwd(x: jax.Array, weights: reference.DrafterSwigluWeights, eps: float, impl: str):
-    return _drafter_swiglu_kernel(x, weights, eps, impl), (x, weights)
-
-
-def _drafter_swiglu_bwd(eps: float, impl: str, residuals: tuple, grad: jax.Array):
-    _, vjp = jax.vjp(lambda x, w: reference.drafter_swiglu_reference(x, w, eps), *residuals)
-    return vjp(grad)
-
-
-_drafter_swiglu_kernel.defvjp(_drafter_swiglu_fwd, _drafter_swiglu_bwd)
+    plain = functools.partial(reference.drafter_swiglu_reference, eps=float(eps))
+    if impl == "reference":
+        return plain(x, weights)
+    kernel = functools.partial(drafter_swiglu_pallas, eps=float(eps), interpret=impl == "interpret")
+    return _with_reference_grad(kernel, plain, x, weights)
 
 
 def drafter_residual(kernels: Kernels, residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -440,27 +389,32 @@ def drafter_residual(kernels: Kernels, residual: jax.Array, x: jax.Array, w: jax
             f"the drafter's residual kernel takes weights of at most {RESIDUAL_MAX_BYTES} bytes, not {weight_bytes}"
         )
     impl = _choose("drafter_residual", kernels.drafter_residual, True, unsupported)
-    if impl != "reference":
-        return _drafter_residual_kernel(residual, x, w, impl)
-    return reference.residual_update(residual, x, w)
+    if impl == "reference":
+        return reference.residual_update(residual, x, w)
+
+    def kernel(residual: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+        return _invariant_matmul(impl, x, w, residual.dtype, residual=residual)
+
+    return _with_reference_grad(kernel, reference.residual_update, residual, x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _drafter_residual_kernel(residual: jax.Array, x: jax.Array, w: jax.Array, impl: str) -> jax.Array:
-    """The Pallas kernel (`impl` "pallas" or "interpret"), differentiated as the plain expression."""
-    return _invariant_matmul(impl, x, w, residual.dtype, residual=residual)
+def _with_reference_grad(kernel: Callable[..., jax.Array], plain: Callable[..., jax.Array], *args) -> jax.Array:
+    """kernel(*args), differentiated as plain(*args), the expression the kernel computes: a Pallas kernel has no
+    gradient of its own, so the drafter trains through the reference's. args are arrays or pytrees of them (integer
+    ones get float0 cotangents); kernel and plain close over Python constants only."""
 
+    @jax.custom_vjp
+    def run(*args):
+        return kernel(*args)
 
-def _drafter_residual_fwd(residual: jax.Array, x: jax.Array, w: jax.Array, impl: str):
-    return _drafter_residual_kernel(residual, x, w, impl), (residual, x, w)
+    def run_fwd(*args):
+        return kernel(*args), args
 
+    def run_bwd(args: tuple, grad: jax.Array) -> tuple:
+        return jax.vjp(plain, *args)[1](grad)
 
-def _drafter_residual_bwd(impl: str, residuals: tuple, grad: jax.Array):
-    _, vjp = jax.vjp(reference.residual_update, *residuals)
-    return vjp(grad)
-
-
-_drafter_residual_kernel.defvjp(_drafter_residual_fwd, _drafter_residual_bwd)
+    run.defvjp(run_fwd, run_bwd)
+    return run(*args)
 
 
 def _moe_kernel():
