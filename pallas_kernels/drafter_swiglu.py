@@ -48,9 +48,9 @@ def unsupported(x: jax.Array, w: DrafterSwigluWeights) -> str:
     one dtype, H a power of two of at least MIN_DIM whose tiles (`[TM, H]` and two `[H, TI]`, at most BLOCK_ROWS and
     BLOCK_INNER) take at most MAX_TILE_BYTES, I a multiple of MIN_DIM."""
     shapes = [x.shape[-1:], w.norm.shape, w.gate.shape, w.up.shape]
-    hidden, inner = w.gate.shape if w.gate.ndim == 2 else (-1, -1)
-    if hidden < 0 or shapes != [(hidden,), (hidden,), (hidden, inner), (hidden, inner)]:
+    if w.gate.ndim != 2 or shapes != [w.gate.shape[:1], w.gate.shape[:1], w.gate.shape, w.gate.shape]:
         return f"the drafter SwiGLU takes x [..., H], norm [H], gate and up [H, I], not {shapes}"
+    hidden, inner = w.gate.shape
     dtypes = sorted({str(a.dtype) for a in (x, *w)})
     if len(dtypes) > 1:
         return f"the Pallas drafter SwiGLU takes x and weights of one dtype, not {dtypes}"
