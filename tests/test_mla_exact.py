@@ -32,15 +32,15 @@ def random_tree_mask(rng: np.random.Generator, n: int) -> np.ndarray:
     return mask
 
 
-def w_uv(dtype, value_dim: int) -> jax.Array:
-    """One fixed W_UV `[HEADS, V, value_dim]` per (dtype, value_dim)."""
-    w = np.random.default_rng(value_dim).standard_normal((HEADS, V, value_dim)) / np.sqrt(value_dim)
+def w_uv(dtype, value_dim: int, heads: int = HEADS) -> jax.Array:
+    """One fixed W_UV `[heads, V, value_dim]` per (dtype, value_dim, heads)."""
+    w = np.random.default_rng(value_dim).standard_normal((heads, V, value_dim)) / np.sqrt(value_dim)
     return jnp.asarray(w, dtype)
 
 
 def exact(q, cache, prefix, mask, value_dim: int) -> np.ndarray:
-    """`[B, N, HEADS, V]` f32: the exact attention of the nodes times W_UV."""
-    args = (jnp.asarray(prefix, jnp.int32), jnp.asarray(mask), w_uv(q.dtype, value_dim), SCALE, value_dim)
+    """`[B, N, Hq, V]` f32: the exact attention of the nodes times W_UV."""
+    args = (jnp.asarray(prefix, jnp.int32), jnp.asarray(mask), w_uv(q.dtype, value_dim, q.shape[2]), SCALE, value_dim)
     return np.asarray(mla_output_exact(q, cache, *args, interpret=INTERPRET))
 
 
@@ -82,11 +82,11 @@ def test_out_dtype_rounds_the_f32_product():
     assert np.array_equal(np.asarray(rounded), np.asarray(exact(q, cache, [30, 100], mask, dv).astype(jnp.bfloat16)))
 
 
-def chain_setup(rng: np.random.Generator, dtype, dk: int, prefix: int, k: int):
+def chain_setup(rng: np.random.Generator, dtype, dk: int, prefix: int, k: int, heads: int = HEADS):
     """A context cache of `prefix` positions, k chain tokens' latents `[k, Dk]` and queries `[k, Hq, Dk]`."""
     context = rng.standard_normal((prefix, dk))
     latents = rng.standard_normal((k, dk))
-    queries = rng.standard_normal((k, HEADS, dk))
+    queries = rng.standard_normal((k, heads, dk))
     return (jnp.asarray(a, dtype) for a in (context, latents, queries))
 
 
@@ -103,7 +103,14 @@ def decode_steps(kernel, context, latents, queries, length: int, dv: int) -> lis
 
 
 def tree_case(
-    kernel, n: int, dtype, dk: int = 160, dv: int = 128, prefix: int = 100, length: int | None = None
+    kernel,
+    n: int,
+    dtype,
+    dk: int = 160,
+    dv: int = 128,
+    prefix: int = 100,
+    length: int | None = None,
+    heads: int = HEADS,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The deepest node's ancestor chain of a random n-node tree at `prefix`, verified in one call with other rows
     beside it: (the chain token's output in the tree, its decode step's output) per chain token. length: the
@@ -113,12 +120,12 @@ def tree_case(
     mask = random_tree_mask(rng, n)
     depth = mask.sum(-1) - 1
     chain = np.flatnonzero(mask[int(np.argmax(depth))])  # block indices of depths 0..d, ascending
-    context, latents, queries = chain_setup(rng, dtype, dk, prefix, len(chain))
+    context, latents, queries = chain_setup(rng, dtype, dk, prefix, len(chain), heads)
     want = decode_steps(kernel, context, latents, queries, length, dv)
 
     b, row = 3, 1
     cache = jnp.asarray(rng.standard_normal((b, length, dk)), dtype)  # other rows and other nodes: noise
-    q = jnp.asarray(rng.standard_normal((b, n, HEADS, dk)), dtype)
+    q = jnp.asarray(rng.standard_normal((b, n, heads, dk)), dtype)
     cache = cache.at[row, :prefix].set(context).at[row, prefix + chain].set(latents)
     q = q.at[row, chain].set(queries)
     masks = np.stack([random_tree_mask(rng, n), mask, random_tree_mask(rng, n)])
@@ -134,6 +141,14 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.mark.parametrize("n", [1, 9, 17, 65])
 def test_a_tree_node_equals_its_decode_step_bitwise(n, dtype):
     assert all(same_bits(got, want) for got, want in tree_case(exact, n, dtype))
+
+
+@pytest.mark.parametrize("heads", [2, 3, 8, 16])
+@pytest.mark.parametrize("n", [3, 17])
+def test_nodes_packed_in_a_programs_rows_equal_their_decode_steps_bitwise(heads, n):
+    """Other head counts: 8 or 4 nodes share a program's 16 rows (2 heads; 2 of them at n = 3), 2 nodes (8 heads),
+    one node (3 heads, which do not divide the rows; 16 heads, which fill them)."""
+    assert all(same_bits(got, want) for got, want in tree_case(exact, n, jnp.bfloat16, heads=heads))
 
 
 def test_a_tree_ending_at_the_caches_last_slot_equals_its_decode_steps_bitwise():
