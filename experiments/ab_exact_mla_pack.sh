@@ -4,8 +4,9 @@
 # pallas_kernels/mla_exact.py and ddtree_jax/memory.py, copied over a copy of the tree), by `breakdown --exact` of
 # ar steps and ddtree 16 rounds at context 1024, batch 32 then 8, every kernel listed; first the kernel's tests
 # compiled on the GPU (bitwise tree = decode steps on the device's own arithmetic).
-#   mkdir -p /tmp/base/pallas_kernels /tmp/base/ddtree_jax && git show main:pallas_kernels/mla_exact.py > ...
-#   (BASE must lie inside the repository so that it travels; e.g. ab_base/, untracked)
+#   mkdir -p ab_base/pallas_kernels ab_base/ddtree_jax   (inside the repository, untracked, so that it travels)
+#   git show main:pallas_kernels/mla_exact.py > ab_base/pallas_kernels/mla_exact.py
+#   git show main:ddtree_jax/memory.py > ab_base/ddtree_jax/memory.py
 #   DDTREE_COMMIT=<hash> BASE=ab_base bash experiments/ab_exact_mla_pack.sh   (OUT -> $OUT/all.tgz)
 # Delete this script once the result is in the records.
 set -u

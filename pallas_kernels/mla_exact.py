@@ -8,21 +8,21 @@ token's output is bitwise the same whether it is computed in a one-token decode 
 of any tree in a verify call, whatever the batch and the cache's allocated length (issue 34, docs/exactness.md). Two
 kernels:
 
-* The segment kernel (`_segment_kernel`, `_causal_segment_kernel`; grid (B, N / P, segments)): one program per
-  (sequence, group of P nodes, segment). Its `R` query rows (`query_rows`: at least `ROWS`) hold the P nodes'
+* The segment kernel (`_segment_kernel`, `_causal_segment_kernel`; grid (B, ceil(N / P), segments)): one program
+  per (sequence, group of P nodes, segment). Its `R` query rows (`query_rows`: at least `ROWS`) hold the P nodes'
   heads, each node's padded to R / P rows (`nodes_per_program`: with 4 heads, 4 nodes; with 16 or more, one), so
   every call runs the same dot shapes whatever the number of nodes. A row's result depends only on its own query
-  and the keys its dots take: the P nodes share the loads of the prefix's chunks, and past the prefix each node's
-  rows take the dots with its own keys.
+  and its node's keys: the P nodes share the prefix's chunks, one online-softmax step for all rows; past the
+  prefix each chunk is stepped once per node with its own keys and the node's rows taken from that step.
   - The node's keys are laid out by absolute position: the cache's prefix at positions `< prefix_len`, then its
     ancestors-or-self at position `prefix_len + depth` (depth = ancestors in the tree mask), exactly where
     one-token decoding would have written them. Other tree nodes are excluded, not only masked.
   - Positions are cut into fixed segments of `SEGMENT` absolute positions, and each segment into fixed chunks
     (`chunk_len`: a function of the latent width only). A segment's program visits its chunks in ascending order
-    with an online softmax (f32) started afresh and writes its unnormalised partial: acc `[S, B, N / P, R,
-    value_dim]`, running max and sum `[S, B, N / P, R]` (f32, segment axis first). It does so for every allocation,
-    one segment included: one code path. A segment starting past every packed node's last position does nothing;
-    a node's partial of a segment it does not reach is never read.
+    with an online softmax (f32) started afresh and writes its unnormalised partial: acc `[S, B, ceil(N / P),
+    R, value_dim]`, running max and sum `[S, B, ceil(N / P), R]` (f32, segment axis first). It does so for every
+    allocation, one segment included: one code path. A segment starting past every packed node's last position
+    does nothing; a node's partial of a segment it does not reach is never read.
   - Chunks reaching past the prefix gather the ancestors' latents into their position slots with one-hot dots over
     16-node tiles of the block (each gathered value is 1.0 x the latent, summed with exact zeros: exact).
   - A causal block (`causal=True`: the engine's prefill chunks) needs no gather: node j's ancestors are the block's
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -96,28 +97,41 @@ def partial_bytes(batch: int, nodes: int, length: int, heads: int, value_dim: in
     return batch * groups * pl.cdiv(length, SEGMENT) * query_rows(heads) * (value_dim + 2) * 4
 
 
+Keys = tuple[jax.Array, jax.Array]  # a chunk's keys: latents `[chunk, value_dim]` and rope parts `[chunk, rope_dim]`
+Tail = Callable[[int, jax.Array, jax.Array, jax.Array], Keys]  # (node, pos, kn, kp) -> that node's keys
+
+
 def _attend_segment(
-    q_ref, kv_ref, acc_ref, m_ref, l_ref, prefix, lasts, tail, *, scale: float, value_dim: int, chunk: int
+    q_ref,
+    kv_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    prefix: jax.Array,
+    lasts: list[jax.Array],
+    tail: Tail,
+    *,
+    scale: float,
+    value_dim: int,
+    chunk: int,
 ) -> None:
-    """The program's segment (program axis 2) for its P packed nodes, node g's rows `[g*R/P, (g+1)*R/P)` of q_ref
-    `[R, Dk]`, attending to its positions [0, lasts[g]]. Chunks wholly below `prefix` (where every packed node
-    reads the cache) are loaded once and shared; later ones go through `tail(pos, kn, kp) -> [(kn, kp)] * P`, each
-    node's keys from `prefix` on (its ancestors-or-self, zeros past its last position), and each node's rows take
-    the dots with its own keys. Every row thus runs the dots, shapes and chunk order of its node alone, and which
-    nodes share a program, or which chunks take the tail, changes where a key comes from, not its value or the
-    arithmetic. Chunks past a node's last position are masked out of its rows: exact no-ops (max unchanged,
-    rescale by exp2(0) = 1, weights 0). Writes the segment's partial for all R rows (see `_segment_kernel`), or
-    nothing when the segment starts past every node's last position."""
+    """The program's segment (program axis 2) for its P = len(lasts) packed nodes, node g's rows `[g*R/P,
+    (g+1)*R/P)` of q_ref `[R, Dk]`, attending to its positions [0, lasts[g]].
+
+    Every chunk is one online-softmax step (`step`), the arithmetic of a single node. Chunks wholly below `prefix`
+    (which every packed node reads from the cache) are loaded once and stepped for all rows at once. A later chunk
+    is stepped once per node, with that node's keys (`tail(g, pos, kn, kp)`: its ancestors-or-self from `prefix` on,
+    zeros past its last position), and node g's rows are taken from its step, or left as they were where the chunk
+    starts past the node's last position. So a row's bits are those of its node computed alone, whichever nodes
+    share the program and whichever chunks take the tail (which changes where a key comes from, not its value).
+    Writes the segment's partial for all R rows (see `_segment_kernel`), or nothing when the segment starts past
+    every node's last position."""
     rope_dim = kv_ref.shape[1] - value_dim
-    rows = q_ref.shape[0]
-    node = jnp.arange(rows, dtype=jnp.int32) // (rows // len(lasts))  # the packed node of each query row
-    mine = [(node == g)[:, None] for g in range(len(lasts))]  # `[R, 1]`: node g's rows
+    rows, group = q_ref.shape[0], len(lasts)
+    node = jnp.arange(rows, dtype=jnp.int32) // (rows // group)  # the packed node of each query row
     totals = [last + 1 for last in lasts]  # positions each node attends to
-    total = jnp.full((rows,), totals[0])
-    for g in range(1, len(lasts)):
-        total = jnp.where(node == g, totals[g], total)  # `[R]`: its node's, per row
     n_chunks = pl.cdiv(functools.reduce(jnp.maximum, totals), chunk)
-    n_full = prefix // chunk  # chunks wholly inside the shared prefix
+    n_full = prefix // chunk  # chunks wholly inside the shared prefix: below every node's last position
     per_segment = SEGMENT // chunk
     lo = pl.program_id(2) * per_segment  # this segment's chunks: [lo, hi), the full ones [lo, mid)
 
@@ -131,24 +145,15 @@ def _attend_segment(
         dot = ieee_dot(dtype)
         cols = jnp.arange(chunk, dtype=jnp.int32)
 
-        def attend(carry, pos, keys):
-            """keys: [(kn, kp)], one pair for every row, or one per packed node for its rows."""
+        def step(carry, pos, kn, kp, total):
+            """One chunk of keys for every row, positions at or past `total` masked."""
             acc, m_i, l_i = carry
-            s = None
-            for (kn, kp), rows_g in zip(keys, mine, strict=False):
-                s_g = (dot(qn, kn.T) + dot(qp, kp.T)) * (scale * _LOG2E)
-                s = s_g if s is None else jnp.where(rows_g, s_g, s)
-            s = jnp.where(pos[None, :] < total[:, None], s, -jnp.inf)
+            s = (dot(qn, kn.T) + dot(qp, kp.T)) * (scale * _LOG2E)
+            s = jnp.where((pos < total)[None, :], s, -jnp.inf)
             m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - m_new[:, None])
-            acc, weights = acc * alpha[:, None], p.astype(dtype)
-            if len(keys) == 1:
-                acc = acc + dot(weights, keys[0][0])
-            else:  # one node's rows at a time: one `[R, value_dim]` product live
-                for (kn, _), rows_g in zip(keys, mine, strict=True):
-                    acc = jnp.where(rows_g, acc + dot(weights, kn), acc)
-            return acc, m_new, l_i * alpha + jnp.sum(p, axis=1)
+            return acc * alpha[:, None] + dot(p.astype(dtype), kn), m_new, l_i * alpha + jnp.sum(p, axis=1)
 
         def load(c):
             start = c * chunk
@@ -159,12 +164,18 @@ def _attend_segment(
             )
 
         def full_chunk(c, carry):
-            pos, kn, kp = load(c)
-            return attend(carry, pos, [(kn, kp)])
+            return step(carry, *load(c), totals[0])  # every mask here is all-true: any node's total will do
 
         def tail_chunk(c, carry):
             pos, kn, kp = load(c)
-            return attend(carry, pos, tail(pos, kn, kp))
+            out = carry
+            for g in range(group):  # one node's keys on chip at a time
+                stepped = step(carry, pos, *tail(g, pos, kn, kp), totals[g])
+                take = (node == g) & (c * chunk < totals[g])  # `[R]`
+                out = tuple(
+                    jnp.where(take.reshape(-1, *[1] * (x.ndim - 1)), x, o) for x, o in zip(stepped, out, strict=True)
+                )
+            return out
 
         carry = (
             jnp.zeros((rows, value_dim), jnp.float32),
@@ -191,32 +202,31 @@ def _segment_kernel(
     rope_dim = kv_ref.shape[1] - value_dim
     prefix = prefix_ref[()]
     depth = depth_ref[...]
-    group = see_ref.shape[0]
     dtype = kv_ref.dtype
     dot = ieee_dot(dtype)
 
-    def gather(pos, lo: int, width: int) -> list[jax.Array]:
-        """Per packed node `[chunk, width]`: channels [lo, lo + width) of its ancestor at each position (zeros where
-        none), one `ROWS`-node tile of the block at a time so that only one tile of latents is on chip (loaded once
-        for the group). A tile's rows past the block or the cache's end load as zeros, masked (never read)."""
-        outs = [jnp.zeros((chunk, width), jnp.float32)] * group
+    def gather(g: int, pos: jax.Array, lo: int, width: int) -> jax.Array:
+        """`[chunk, width]`: channels [lo, lo + width) of packed node g's ancestor at each position (zeros where
+        none), one `ROWS`-node tile of the block at a time so that only one tile of latents is on chip. A tile's
+        rows past the block or the cache's end load as zeros, masked (never read)."""
+        out = jnp.zeros((chunk, width), jnp.float32)
         for j in range(0, depth_ref.shape[0], ROWS):
-            d = depth_ref[pl.ds(j, ROWS)]
+            d, sv = depth_ref[pl.ds(j, ROWS)], see_ref[g, pl.ds(j, ROWS)] > 0
+            pick = (((pos - prefix)[:, None] == d[None, :]) & sv[None, :]).astype(dtype)  # one-hot rows
             node = j + jnp.arange(ROWS, dtype=jnp.int32)
             in_block = ((node < nodes) & (prefix + node < kv_ref.shape[0]))[:, None]
             lat = pltriton.load(kv_ref.at[pl.ds(prefix + j, ROWS), pl.ds(lo, width)], mask=in_block, other=0)
-            for g in range(group):
-                sv = see_ref[g, pl.ds(j, ROWS)] > 0
-                pick = (((pos - prefix)[:, None] == d[None, :]) & sv[None, :]).astype(dtype)  # one-hot rows
-                outs[g] = outs[g] + dot(pick, lat)
-        return [out.astype(dtype) for out in outs]
+            out += dot(pick, lat)
+        return out.astype(dtype)
 
-    def tail(pos, kn, kp):
+    def tail(g: int, pos: jax.Array, kn: jax.Array, kp: jax.Array) -> Keys:
         in_prefix = (pos < prefix)[:, None]
-        values, ropes = gather(pos, 0, value_dim), gather(pos, value_dim, rope_dim)
-        return [(jnp.where(in_prefix, kn, v), jnp.where(in_prefix, kp, r)) for v, r in zip(values, ropes, strict=True)]
+        return (
+            jnp.where(in_prefix, kn, gather(g, pos, 0, value_dim)),
+            jnp.where(in_prefix, kp, gather(g, pos, value_dim, rope_dim)),
+        )
 
-    lasts = [prefix + jnp.max(jnp.where(see_ref[g, :] > 0, depth, 0)) for g in range(group)]
+    lasts = [prefix + jnp.max(jnp.where(see_ref[g, :] > 0, depth, 0)) for g in range(see_ref.shape[0])]
     options = {"scale": scale, "value_dim": value_dim, "chunk": chunk}
     _attend_segment(q_ref, kv_ref, acc_ref, m_ref, l_ref, prefix, lasts, tail, **options)
 
@@ -226,17 +236,14 @@ def _causal_segment_kernel(prefix_ref, q_ref, kv_ref, acc_ref, m_ref, l_ref, *, 
     already holds, `group` nodes packed in the query rows: node k sits at prefix + k with every earlier position
     its ancestor, so it is the decode step at that position. Its own latent is read back from its slot and
     positions past it are zeros, the keys the tree gather gives a decode step. A padding node past the block
-    repeats the last node. prefix_ref: scalar int32; q_ref, kv_ref and the partial's refs as in
-    `_segment_kernel`."""
+    (its query zeros) reads the last node's positions. prefix_ref: scalar int32; q_ref, kv_ref and the partial's
+    refs as in `_segment_kernel`."""
     first = pl.program_id(1) * group
     lasts = [prefix_ref[()] + jnp.minimum(first + g, nodes - 1) for g in range(group)]
 
-    def tail(pos, kn, kp):
-        keys = []
-        for last in lasts:
-            seen = (pos <= last)[:, None]
-            keys.append((jnp.where(seen, kn, jnp.zeros_like(kn)), jnp.where(seen, kp, jnp.zeros_like(kp))))
-        return keys
+    def tail(g: int, pos: jax.Array, kn: jax.Array, kp: jax.Array) -> Keys:
+        seen = (pos <= lasts[g])[:, None]
+        return jnp.where(seen, kn, jnp.zeros_like(kn)), jnp.where(seen, kp, jnp.zeros_like(kp))
 
     options = {"scale": scale, "value_dim": value_dim, "chunk": chunk}
     _attend_segment(q_ref, kv_ref, acc_ref, m_ref, l_ref, lasts[0], lasts, tail, **options)

@@ -1,9 +1,9 @@
 """The batch- and tree-invariant MLA attention and its W_UV product (interpret mode on CPU, compiled on a GPU): it
-matches `mla_attention_reference` followed by the W_UV einsum, and a token's output is bitwise the same as a
-one-token decode step, as a node of trees of 1, 9, 17 and 65 nodes, inside a causal (prefill) block, beside other
-rows, on either side of segment boundaries and under any allocated cache length (so any number of segments in the
-grid). The merge inside the W_UV product reads only the segments a token reaches, and a token's result does not
-depend on the other tokens of its call."""
+matches `mla_attention_reference` followed by the W_UV einsum, and a token's output is bitwise the same as a one-
+token decode step, as a node of trees of 1, 9, 17 and 65 nodes, inside a causal (prefill) block, beside other rows,
+on either side of segment boundaries and under any allocated cache length (so any number of segments in the grid),
+and whichever nodes share a program's query rows. The merge inside the W_UV product reads only the segments a token
+reaches, and a token's result does not depend on the other tokens of its call."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import mla_exact
 from pallas_kernels.mla_attention import MLAConfig, mla_attention_split
 from pallas_kernels.mla_exact import MAX_BLOCK, SEGMENT, merged_value_matmul, mla_output_exact
 from pallas_kernels.reference import mla_attention_reference
@@ -143,11 +144,38 @@ def test_a_tree_node_equals_its_decode_step_bitwise(n, dtype):
     assert all(same_bits(got, want) for got, want in tree_case(exact, n, dtype))
 
 
+@pytest.mark.parametrize(
+    ("heads", "n", "prefix", "causal", "dtype"),
+    [
+        (4, 5, [62, 255], True, jnp.bfloat16),  # 4 nodes a program: a second group of 1 and 3 padding nodes
+        (8, 3, [63, 126], True, jnp.float32),  # 2 a program, one padding node
+        (2, 17, [62, 255], False, jnp.bfloat16),  # 8 a program
+        (4, 9, [63, 126], False, jnp.float32),
+    ],
+)
+def test_packing_nodes_changes_no_bit(monkeypatch, heads, n, prefix, causal, dtype):
+    """The whole output, every row, node and head, with nodes packed in a program's rows equals bit for bit the
+    output with one node a program, causal blocks with padding nodes and trees alike, their groups reaching across
+    chunk (64) and segment (256) boundaries."""
+    rng = np.random.default_rng(heads * n)
+    b, dk, dv, length = 2, 160, 128, 384
+    q = jnp.asarray(rng.standard_normal((b, n, heads, dk)), dtype)
+    cache = jnp.asarray(rng.standard_normal((b, length, dk)), dtype)
+    mask = None if causal else jnp.asarray(np.stack([random_tree_mask(rng, n) for _ in range(b)]))
+    args = (q, cache, jnp.asarray(prefix, jnp.int32), mask, w_uv(dtype, dv, heads), SCALE, dv)
+    assert mla_exact.nodes_per_program(heads, n) > 1
+    packed = np.asarray(mla_output_exact(*args, causal=causal, interpret=INTERPRET))
+    monkeypatch.setattr(mla_exact, "nodes_per_program", lambda heads, nodes: 1)
+    jax.clear_caches()  # trace again, one node a program
+    single = np.asarray(mla_output_exact(*args, causal=causal, interpret=INTERPRET))
+    assert same_bits(packed, single)
+
+
 @pytest.mark.parametrize("heads", [2, 3, 8, 16])
 @pytest.mark.parametrize("n", [3, 17])
 def test_nodes_packed_in_a_programs_rows_equal_their_decode_steps_bitwise(heads, n):
-    """Other head counts: 8 or 4 nodes share a program's 16 rows (2 heads; 2 of them at n = 3), 2 nodes (8 heads),
-    one node (3 heads, which do not divide the rows; 16 heads, which fill them)."""
+    """Other head counts: 8 nodes share a program's 16 rows (2 heads; 2 nodes at n = 3), 2 nodes (8 heads), one
+    node (3 heads, which do not divide the rows; 16 heads, which fill them)."""
     assert all(same_bits(got, want) for got, want in tree_case(exact, n, jnp.bfloat16, heads=heads))
 
 
