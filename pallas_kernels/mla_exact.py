@@ -10,10 +10,11 @@ kernels:
 
 * The segment kernel (`_segment_kernel`, `_causal_segment_kernel`; grid (B, ceil(N / P), segments)): one program
   per (sequence, group of P nodes, segment). Its `R` query rows (`query_rows`: at least `ROWS`) hold the P nodes'
-  heads, each node's padded to R / P rows (`nodes_per_program`: with 4 heads, 4 nodes; with 16 or more, one), so
-  every call runs the same dot shapes whatever the number of nodes. A row's result depends only on its own query
-  and its node's keys: the P nodes share the prefix's chunks, one online-softmax step for all rows; past the
-  prefix each chunk is stepped once per node with its own keys and the node's rows taken from that step.
+  heads, each node's padded to R / P rows (`nodes_per_program`: in calls large enough, 4 nodes of 4 heads; with
+  16 heads or more, one), so every call runs the same dot shapes whatever the number of nodes. A row's result
+  depends only on its own query and its node's keys: the P nodes share the prefix's chunks, one online-softmax step
+  for all rows; past the prefix each chunk is stepped once per node with its own keys and the node's rows taken
+  from that step.
   - The node's keys are laid out by absolute position: the cache's prefix at positions `< prefix_len`, then its
     ancestors-or-self at position `prefix_len + depth` (depth = ancestors in the tree mask), exactly where
     one-token decoding would have written them. Other tree nodes are excluded, not only masked.
@@ -67,6 +68,11 @@ WIDE_CHUNK = 32  # the chunk of latents wider than 256 (Kimi K2's 576: 64-slot t
 # segments are no shorter: where batch x nodes already fill the GPU they only add traffic.
 SEGMENT = 256
 ROWS = 16  # query rows per program at least (heads padded): Triton dots take 16 rows and more
+# Nodes are packed into a program's rows only from this many (sequence, node, segment) triples on (about four waves
+# of an H100's 132 SMs). Packing cuts the programs P-fold but steps each tail chunk P times in one program: it pays
+# where the programs left still fill the GPU, and lengthens the critical path where they do not
+# (experiments/results/ab_exact_mla_pack).
+PACK_MIN_PROGRAMS = 512
 MAX_BLOCK = 64  # tree nodes per call at most (+ the root): a program holds the block's latents on chip
 
 
@@ -80,11 +86,12 @@ def query_rows(heads: int) -> int:
     return max(ROWS, pl.next_power_of_2(heads))
 
 
-def nodes_per_program(heads: int, nodes: int) -> int:
-    """Nodes of one sequence whose query rows share a segment program (P): where `heads` divides ROWS, as many as
-    fill the ROWS rows (4 for 4 heads, 2 for 8), a power of two, at most `nodes`; else 1. The nodes share the
-    prefix's loads; each row's dots are those of its node alone (see `_attend_segment`)."""
-    if ROWS % heads:
+def nodes_per_program(heads: int, nodes: int, batch: int, segments: int) -> int:
+    """Nodes of one sequence whose query rows share a segment program (P): where `heads` divides ROWS and the call
+    has at least PACK_MIN_PROGRAMS (sequence, node, segment) triples, as many as fill the ROWS rows (4 for 4 heads,
+    2 for 8), a power of two, at most `nodes`; else 1. The nodes share the prefix's loads; each row's dots are those
+    of its node alone (see `_attend_segment`), so P changes no bit of the output."""
+    if ROWS % heads or batch * nodes * segments < PACK_MIN_PROGRAMS:
         return 1
     return min(ROWS // heads, 1 << (max(nodes, 1).bit_length() - 1))
 
@@ -93,8 +100,9 @@ def partial_bytes(batch: int, nodes: int, length: int, heads: int, value_dim: in
     """Bytes of the segment kernel's partials for `batch` sequences of `nodes` query tokens of `heads` heads over a
     cache of `length` slots: per program (ceil(nodes / P) per sequence) and segment, acc `[rows, value_dim]`,
     running max and sum `[rows]`, all f32."""
-    groups = pl.cdiv(nodes, nodes_per_program(heads, nodes))
-    return batch * groups * pl.cdiv(length, SEGMENT) * query_rows(heads) * (value_dim + 2) * 4
+    segments = pl.cdiv(length, SEGMENT)
+    groups = pl.cdiv(nodes, nodes_per_program(heads, nodes, batch, segments))
+    return batch * groups * segments * query_rows(heads) * (value_dim + 2) * 4
 
 
 Keys = tuple[jax.Array, jax.Array]  # a chunk's keys: latents `[chunk, value_dim]` and rope parts `[chunk, rope_dim]`
@@ -375,7 +383,7 @@ def _segment_partials(
     length = latent_cache.shape[1]
     segments = pl.cdiv(length, SEGMENT)
     rows = query_rows(heads)
-    group = nodes_per_program(heads, n)
+    group = nodes_per_program(heads, n, b, segments)
     groups = pl.cdiv(n, group)
     if segments * b * groups * rows * value_dim >= 2**31:  # Pallas-Triton addresses a buffer with int32 offsets
         raise ValueError(f"{segments} x {b} x {groups} partials of {rows} x {value_dim}: more than int32 offsets reach")

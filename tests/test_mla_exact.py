@@ -21,6 +21,18 @@ SCALE = 0.125
 HEADS = 4
 V = 32  # W_UV's output columns per head
 INTERPRET = jax.default_backend() != "gpu"
+PACK_MIN_PROGRAMS = mla_exact.PACK_MIN_PROGRAMS  # the shipped threshold, before this module lowers it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pack_small_calls():
+    """This module's calls are small: every one packs nodes where its heads allow (the bitwise checks cover the
+    packed kernel), except where a test raises PACK_MIN_PROGRAMS again."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mla_exact, "PACK_MIN_PROGRAMS", 1)
+        jax.clear_caches()
+        yield
+    jax.clear_caches()
 
 
 def random_tree_mask(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -163,12 +175,20 @@ def test_packing_nodes_changes_no_bit(monkeypatch, heads, n, prefix, causal, dty
     cache = jnp.asarray(rng.standard_normal((b, length, dk)), dtype)
     mask = None if causal else jnp.asarray(np.stack([random_tree_mask(rng, n) for _ in range(b)]))
     args = (q, cache, jnp.asarray(prefix, jnp.int32), mask, w_uv(dtype, dv, heads), SCALE, dv)
-    assert mla_exact.nodes_per_program(heads, n) > 1
+    assert mla_exact.nodes_per_program(heads, n, b, 2) > 1
     packed = np.asarray(mla_output_exact(*args, causal=causal, interpret=INTERPRET))
-    monkeypatch.setattr(mla_exact, "nodes_per_program", lambda heads, nodes: 1)
+    monkeypatch.setattr(mla_exact, "PACK_MIN_PROGRAMS", b * n * 2 + 1)
+    assert mla_exact.nodes_per_program(heads, n, b, 2) == 1
     jax.clear_caches()  # trace again, one node a program
     single = np.asarray(mla_output_exact(*args, causal=causal, interpret=INTERPRET))
     assert same_bits(packed, single)
+
+
+def test_nodes_are_packed_only_in_calls_that_fill_the_gpu(monkeypatch):
+    """A verify of 17 nodes of 4 heads over 5 segments (context 1024) packs 4 nodes a program at 8 rows, none at 1."""
+    monkeypatch.setattr(mla_exact, "PACK_MIN_PROGRAMS", PACK_MIN_PROGRAMS)
+    assert [mla_exact.nodes_per_program(4, 17, b, 5) for b in (1, 8)] == [1, 4]
+    assert mla_exact.nodes_per_program(3, 17, 8, 5) == 1  # 3 heads do not divide the rows
 
 
 @pytest.mark.parametrize("heads", [2, 3, 8, 16])
