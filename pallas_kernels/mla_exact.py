@@ -68,10 +68,12 @@ WIDE_CHUNK = 32  # the chunk of latents wider than 256 (Kimi K2's 576: 64-slot t
 # segments are no shorter: where batch x nodes already fill the GPU they only add traffic.
 SEGMENT = 256
 ROWS = 16  # query rows per program at least (heads padded): Triton dots take 16 rows and more
-# Nodes are packed into a program's rows only from this many (sequence, node, segment) triples on (about four waves
-# of an H100's 132 SMs). Packing cuts the programs P-fold but steps each tail chunk P times in one program: it pays
-# where the programs left still fill the GPU, and lengthens the critical path where they do not
-# (experiments/results/ab_exact_mla_pack).
+# Nodes are packed into a program's rows only in calls of at least PACK_MIN_SEGMENTS segments and PACK_MIN_PROGRAMS
+# (sequence, node, segment) triples (about four waves of an H100's 132 SMs). Packing cuts the programs P-fold and
+# shares the loads of the chunks below the prefix, but steps every chunk past it P times in one program: it pays
+# where the prefix spans several segments and the programs left still fill the GPU, and lengthens the critical path
+# where either fails (experiments/results/ab_exact_mla_pack).
+PACK_MIN_SEGMENTS = 4
 PACK_MIN_PROGRAMS = 512
 MAX_BLOCK = 64  # tree nodes per call at most (+ the root): a program holds the block's latents on chip
 
@@ -88,10 +90,10 @@ def query_rows(heads: int) -> int:
 
 def nodes_per_program(heads: int, nodes: int, batch: int, segments: int) -> int:
     """Nodes of one sequence whose query rows share a segment program (P): where `heads` divides ROWS and the call
-    has at least PACK_MIN_PROGRAMS (sequence, node, segment) triples, as many as fill the ROWS rows (4 for 4 heads,
-    2 for 8), a power of two, at most `nodes`; else 1. The nodes share the prefix's loads; each row's dots are those
+    has at least PACK_MIN_SEGMENTS segments and PACK_MIN_PROGRAMS (sequence, node, segment) triples, as many as fill
+    the ROWS rows (4 for 4 heads, 2 for 8), a power of two, at most `nodes`; else 1. The nodes share the prefix's loads; each row's dots are those
     of its node alone (see `_attend_segment`), so P changes no bit of the output."""
-    if ROWS % heads or batch * nodes * segments < PACK_MIN_PROGRAMS:
+    if ROWS % heads or segments < PACK_MIN_SEGMENTS or batch * nodes * segments < PACK_MIN_PROGRAMS:
         return 1
     return min(ROWS // heads, 1 << (max(nodes, 1).bit_length() - 1))
 

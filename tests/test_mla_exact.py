@@ -21,15 +21,16 @@ SCALE = 0.125
 HEADS = 4
 V = 32  # W_UV's output columns per head
 INTERPRET = jax.default_backend() != "gpu"
-PACK_MIN_PROGRAMS = mla_exact.PACK_MIN_PROGRAMS  # the shipped threshold, before this module lowers it
+SHIPPED_PACKING = {"PACK_MIN_SEGMENTS": mla_exact.PACK_MIN_SEGMENTS, "PACK_MIN_PROGRAMS": mla_exact.PACK_MIN_PROGRAMS}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def pack_small_calls():
     """This module's calls are small: every one packs nodes where its heads allow (the bitwise checks cover the
-    packed kernel), except where a test raises PACK_MIN_PROGRAMS again."""
+    packed kernel), except where a test raises the thresholds again."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mla_exact, "PACK_MIN_PROGRAMS", 1)
+        for name in SHIPPED_PACKING:
+            patch.setattr(mla_exact, name, 1)
         jax.clear_caches()
         yield
     jax.clear_caches()
@@ -184,10 +185,13 @@ def test_packing_nodes_changes_no_bit(monkeypatch, heads, n, prefix, causal, dty
     assert same_bits(packed, single)
 
 
-def test_nodes_are_packed_only_in_calls_that_fill_the_gpu(monkeypatch):
-    """A verify of 17 nodes of 4 heads over 5 segments (context 1024) packs 4 nodes a program at 8 rows, none at 1."""
-    monkeypatch.setattr(mla_exact, "PACK_MIN_PROGRAMS", PACK_MIN_PROGRAMS)
+def test_nodes_are_packed_only_in_calls_with_a_long_prefix_that_fill_the_gpu(monkeypatch):
+    """A verify of 17 nodes of 4 heads over 5 segments (context 1024) packs 4 nodes a program at 8 rows, none at 1;
+    over one segment (context 60), none at 32 rows."""
+    for name, value in SHIPPED_PACKING.items():
+        monkeypatch.setattr(mla_exact, name, value)
     assert [mla_exact.nodes_per_program(4, 17, b, 5) for b in (1, 8)] == [1, 4]
+    assert mla_exact.nodes_per_program(4, 17, 32, 1) == 1
     assert mla_exact.nodes_per_program(3, 17, 8, 5) == 1  # 3 heads do not divide the rows
 
 
