@@ -101,7 +101,7 @@ def tree_size(spec: GenSpec, draft_len: int) -> int:
 
 def prefill_chunk(spec: GenSpec) -> int:
     """Prompt tokens per prefill pass: `spec.prefill_chunk`; under the exact numerics at most EXACT_PREFILL_TOKENS
-    over the batch's rows, but not below `mla_exact.MAX_BLOCK`: their attention writes a partial per (row, token,
+    over the batch's rows, but not below `mla_exact.MAX_BLOCK`: their attention writes a partial per (row, token group,
     context segment), so a pass's memory follows batch x chunk."""
     if not spec.kernels.exact:
         return spec.prefill_chunk

@@ -25,9 +25,9 @@
   Every term counts one layer's temporaries (layers run one after another). Small buffers (tokens, lengths,
   tree indices, one `[B, V]` prefill logit row) are not counted.
   Under the exact numerics (`exact=True`) the prefill is never the naive pass (chunks of `engine.prefill_chunk`
-  tokens), and both phases add the exact MLA kernel's partials: per query token and context segment of
-  `mla_exact.SEGMENT` slots, an f32 `[rows, kv_lora_rank]` accumulator with its row maxes and sums (rows: the
-  heads padded as the kernel pads them).
+  tokens), and both phases add the exact MLA kernel's partials (`mla_exact.partial_bytes`): per program (a group
+  of query tokens packed in one program's rows) and context segment of `mla_exact.SEGMENT` slots, an f32
+  `[rows, kv_lora_rank]` accumulator with its row maxes and sums.
 
 Activations and non-INT4 weights use the model dtype (`dtype_bytes`, 2 for bfloat16); the router bias is f32.
 """
@@ -142,7 +142,7 @@ def _prefill(
     moe = b * ch * c.num_experts_per_tok * 2 * c.moe_intermediate_size * F32_BYTES
     total = scores + qkvo + 4 * b * ch * h * w + moe
     if exact:
-        total += partial_bytes(b * ch, cap, heads, c.kv_lora_rank)
+        total += partial_bytes(b, ch, cap, heads, c.kv_lora_rank)
     if d is not None:
         k = len(d.target_layer_ids)
         total += b * ch * k * h * w + d.num_hidden_layers * 2 * b * ch * d.num_key_value_heads * d.head_dim * F32_BYTES
@@ -160,7 +160,7 @@ def _round(c: KimiConfig, d: DFlashConfig | None, lay: Layout, b: int, t: int, c
         + b * t * c.num_experts_per_tok * 2 * c.moe_intermediate_size * F32_BYTES
     )
     if exact:
-        total += partial_bytes(b * t, cap, heads, c.kv_lora_rank)
+        total += partial_bytes(b, t, cap, heads, c.kv_lora_rank)
     if d is not None and t > 1:
         keys = cap + d.block_size
         total += (

@@ -8,18 +8,22 @@ token's output is bitwise the same whether it is computed in a one-token decode 
 of any tree in a verify call, whatever the batch and the cache's allocated length (issue 34, docs/exactness.md). Two
 kernels:
 
-* The segment kernel (`_segment_kernel`, `_causal_segment_kernel`; grid (B, N, segments)): one program per
-  (sequence, node, segment), its query rows the node's heads padded to `ROWS`, so every call runs the same dot
-  shapes whatever the number of nodes.
+* The segment kernel (`_segment_kernel`, `_causal_segment_kernel`; grid (B, ceil(N / P), segments)): one program
+  per (sequence, group of P nodes, segment). Its `R` query rows (`query_rows`: at least `ROWS`) hold the P nodes'
+  heads, each node's padded to R / P rows (`nodes_per_program`: in calls large enough, 4 nodes of 4 heads; with
+  16 heads or more, one), so every call runs the same dot shapes whatever the number of nodes. A row's result
+  depends only on its own query and its node's keys: the P nodes share the prefix's chunks, one online-softmax step
+  for all rows; past the prefix each chunk is stepped once per node with its own keys and the node's rows taken
+  from that step.
   - The node's keys are laid out by absolute position: the cache's prefix at positions `< prefix_len`, then its
     ancestors-or-self at position `prefix_len + depth` (depth = ancestors in the tree mask), exactly where
     one-token decoding would have written them. Other tree nodes are excluded, not only masked.
   - Positions are cut into fixed segments of `SEGMENT` absolute positions, and each segment into fixed chunks
     (`chunk_len`: a function of the latent width only). A segment's program visits its chunks in ascending order
-    with an online softmax (f32) started afresh and writes its unnormalised partial: acc `[S, B, N, R, value_dim]`,
-    running max and sum `[S, B, N, R]` (f32, segment axis first). It does so for every allocation, one segment
-    included: one code path. A segment starting past the node's last position does nothing; its partial stays
-    unwritten and is never read.
+    with an online softmax (f32) started afresh and writes its unnormalised partial: acc `[S, B, ceil(N / P),
+    R, value_dim]`, running max and sum `[S, B, ceil(N / P), R]` (f32, segment axis first). It does so for every
+    allocation, one segment included: one code path. A segment starting past every packed node's last position
+    does nothing; a node's partial of a segment it does not reach is never read.
   - Chunks reaching past the prefix gather the ancestors' latents into their position slots with one-hot dots over
     16-node tiles of the block (each gathered value is 1.0 x the latent, summed with exact zeros: exact).
   - A causal block (`causal=True`: the engine's prefill chunks) needs no gather: node j's ancestors are the block's
@@ -33,14 +37,15 @@ kernels:
   zeros, so its bits depend neither on its tile-mates nor on the grid's segment count.
 
 Segments bound a program's serial walk to `SEGMENT` positions (a batch-1 decode step runs one program per
-segment instead of one walking the whole context), at the price of the partials (`rows x value_dim` f32 per
-(sequence, node, segment)), which the W_UV product reads; see `SEGMENT`.
+segment instead of one walking the whole context), at the price of the partials (`R x value_dim` f32 per
+(sequence, node group, segment)), which the W_UV product reads; see `SEGMENT`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +68,13 @@ WIDE_CHUNK = 32  # the chunk of latents wider than 256 (Kimi K2's 576: 64-slot t
 # segments are no shorter: where batch x nodes already fill the GPU they only add traffic.
 SEGMENT = 256
 ROWS = 16  # query rows per program at least (heads padded): Triton dots take 16 rows and more
+# Nodes are packed into a program's rows only in calls of at least PACK_MIN_SEGMENTS segments and PACK_MIN_PROGRAMS
+# (sequence, node, segment) triples (about four waves of an H100's 132 SMs). Packing cuts the programs P-fold and
+# shares the loads of the chunks below the prefix, but steps every chunk past it P times in one program: it pays
+# where the prefix spans several segments and the programs left still fill the GPU, and lengthens the critical path
+# where either fails (experiments/results/ab_exact_mla_pack).
+PACK_MIN_SEGMENTS = 4
+PACK_MIN_PROGRAMS = 512
 MAX_BLOCK = 64  # tree nodes per call at most (+ the root): a program holds the block's latents on chip
 
 
@@ -76,24 +88,60 @@ def query_rows(heads: int) -> int:
     return max(ROWS, pl.next_power_of_2(heads))
 
 
-def partial_bytes(tokens: int, length: int, heads: int, value_dim: int) -> int:
-    """Bytes of the segment kernel's partials for `tokens` query tokens of `heads` heads over a cache of `length`
-    slots: per token and segment, acc `[rows, value_dim]`, running max and sum `[rows]`, all f32."""
-    return tokens * pl.cdiv(length, SEGMENT) * query_rows(heads) * (value_dim + 2) * 4
+def nodes_per_program(heads: int, nodes: int, batch: int, segments: int) -> int:
+    """Nodes of one sequence whose query rows share a segment program (P): where `heads` divides ROWS and the call
+    has at least PACK_MIN_SEGMENTS segments and PACK_MIN_PROGRAMS (sequence, node, segment) triples, as many as fill
+    the ROWS rows (4 for 4 heads, 2 for 8), a power of two, at most `nodes`; else 1. The nodes share the prefix's loads; each row's dots are those
+    of its node alone (see `_attend_segment`), so P changes no bit of the output."""
+    if ROWS % heads or segments < PACK_MIN_SEGMENTS or batch * nodes * segments < PACK_MIN_PROGRAMS:
+        return 1
+    return min(ROWS // heads, 1 << (max(nodes, 1).bit_length() - 1))
+
+
+def partial_bytes(batch: int, nodes: int, length: int, heads: int, value_dim: int) -> int:
+    """Bytes of the segment kernel's partials for `batch` sequences of `nodes` query tokens of `heads` heads over a
+    cache of `length` slots: per program (ceil(nodes / P) per sequence) and segment, acc `[rows, value_dim]`,
+    running max and sum `[rows]`, all f32."""
+    segments = pl.cdiv(length, SEGMENT)
+    groups = pl.cdiv(nodes, nodes_per_program(heads, nodes, batch, segments))
+    return batch * groups * segments * query_rows(heads) * (value_dim + 2) * 4
+
+
+Keys = tuple[jax.Array, jax.Array]  # a chunk's keys: latents `[chunk, value_dim]` and rope parts `[chunk, rope_dim]`
+Tail = Callable[[int, jax.Array, jax.Array, jax.Array], Keys]  # (node, pos, kn, kp) -> that node's keys
 
 
 def _attend_segment(
-    q_ref, kv_ref, acc_ref, m_ref, l_ref, prefix, last, tail, *, scale: float, value_dim: int, chunk: int
+    q_ref,
+    kv_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    prefix: jax.Array,
+    lasts: list[jax.Array],
+    tail: Tail,
+    *,
+    scale: float,
+    value_dim: int,
+    chunk: int,
 ) -> None:
-    """The node's segment (program axis 2) of its positions [0, last]: chunks wholly below `prefix` read from the
-    cache, later ones through `tail(pos, kn, kp) -> (kn, kp)`, which supplies the keys from `prefix` on (the node's
-    ancestors-or-self, zeros past `last`). Which chunks take the tail changes where a key comes from, not its value
-    or the arithmetic. Writes the segment's partial (see `_segment_kernel`), or nothing when the segment starts
-    past `last`."""
+    """The program's segment (program axis 2) for its P = len(lasts) packed nodes, node g's rows `[g*R/P,
+    (g+1)*R/P)` of q_ref `[R, Dk]`, attending to its positions [0, lasts[g]].
+
+    Every chunk is one online-softmax step (`step`), the arithmetic of a single node. Chunks wholly below `prefix`
+    (which every packed node reads from the cache) are loaded once and stepped for all rows at once. A later chunk
+    is stepped once per node, with that node's keys (`tail(g, pos, kn, kp)`: its ancestors-or-self from `prefix` on,
+    zeros past its last position), and node g's rows are taken from its step, or left as they were where the chunk
+    starts past the node's last position. So a row's bits are those of its node computed alone, whichever nodes
+    share the program and whichever chunks take the tail (which changes where a key comes from, not its value).
+    Writes the segment's partial for all R rows (see `_segment_kernel`), or nothing when the segment starts past
+    every node's last position."""
     rope_dim = kv_ref.shape[1] - value_dim
-    total = last + 1  # positions this node attends to
-    n_chunks = pl.cdiv(total, chunk)
-    n_full = prefix // chunk  # chunks wholly inside the prefix
+    rows, group = q_ref.shape[0], len(lasts)
+    node = jnp.arange(rows, dtype=jnp.int32) // (rows // group)  # the packed node of each query row
+    totals = [last + 1 for last in lasts]  # positions each node attends to
+    n_chunks = pl.cdiv(functools.reduce(jnp.maximum, totals), chunk)
+    n_full = prefix // chunk  # chunks wholly inside the shared prefix: below every node's last position
     per_segment = SEGMENT // chunk
     lo = pl.program_id(2) * per_segment  # this segment's chunks: [lo, hi), the full ones [lo, mid)
 
@@ -107,7 +155,8 @@ def _attend_segment(
         dot = ieee_dot(dtype)
         cols = jnp.arange(chunk, dtype=jnp.int32)
 
-        def attend(carry, pos, kn, kp):
+        def step(carry, pos, kn, kp, total):
+            """One chunk of keys for every row, positions at or past `total` masked."""
             acc, m_i, l_i = carry
             s = (dot(qn, kn.T) + dot(qp, kp.T)) * (scale * _LOG2E)
             s = jnp.where((pos < total)[None, :], s, -jnp.inf)
@@ -125,13 +174,19 @@ def _attend_segment(
             )
 
         def full_chunk(c, carry):
-            return attend(carry, *load(c))
+            return step(carry, *load(c), totals[0])  # every mask here is all-true: any node's total will do
 
         def tail_chunk(c, carry):
             pos, kn, kp = load(c)
-            return attend(carry, pos, *tail(pos, kn, kp))
+            out = carry
+            for g in range(group):  # one node's keys on chip at a time
+                stepped = step(carry, pos, *tail(g, pos, kn, kp), totals[g])
+                take = (node == g) & (c * chunk < totals[g])  # `[R]`
+                out = tuple(
+                    jnp.where(take.reshape(-1, *[1] * (x.ndim - 1)), x, o) for x, o in zip(stepped, out, strict=True)
+                )
+            return out
 
-        rows = qn.shape[0]
         carry = (
             jnp.zeros((rows, value_dim), jnp.float32),
             jnp.full((rows,), _NEG_INIT, jnp.float32),
@@ -144,28 +199,29 @@ def _attend_segment(
 def _segment_kernel(
     prefix_ref, depth_ref, see_ref, q_ref, kv_ref, acc_ref, m_ref, l_ref, *, scale, value_dim, chunk, nodes
 ):
-    """One (sequence, node, segment) program of a tree block of `nodes` nodes.
+    """One (sequence, node group, segment) program of a tree block of `nodes` nodes, the group's P nodes packed in
+    the query rows (see `_attend_segment`).
 
-    prefix_ref: scalar int32; depth_ref `[Np]` int32 depth of each block node; see_ref `[Np]` int32, 1 where this
-    node sees the block node (its ancestors-or-self); q_ref `[R, Dk]`; kv_ref `[L, Dk]` (the whole cache row, the
-    block's latents at slots prefix..prefix + nodes - 1). The segment's partial: acc_ref `[R, value_dim]` f32
-    (unnormalised), m_ref `[R]` f32 (running max, log2 units) and l_ref `[R]` f32 (sum of exponentials). Positions
-    from the prefix on hold the node's ancestors-or-self, gathered from the block's slots into their own (zeros
-    where none).
+    prefix_ref: scalar int32; depth_ref `[Np]` int32 depth of each block node; see_ref `[P, Np]` int32, 1 where the
+    group's node sees the block node (its ancestors-or-self; all 0 for a padding node past the block); q_ref
+    `[R, Dk]`; kv_ref `[L, Dk]` (the whole cache row, the block's latents at slots prefix..prefix + nodes - 1).
+    The segment's partial: acc_ref `[R, value_dim]` f32 (unnormalised), m_ref `[R]` f32 (running max, log2 units)
+    and l_ref `[R]` f32 (sum of exponentials). Positions from the prefix on hold each node's ancestors-or-self,
+    gathered from the block's slots into their own (zeros where none).
     """
     rope_dim = kv_ref.shape[1] - value_dim
     prefix = prefix_ref[()]
-    depth, see = depth_ref[...], see_ref[...] > 0
+    depth = depth_ref[...]
     dtype = kv_ref.dtype
     dot = ieee_dot(dtype)
 
-    def gather(pos, lo: int, width: int):
-        """`[chunk, width]`: channels [lo, lo + width) of the ancestor at each position (zeros where none), one
-        `ROWS`-node tile of the block at a time so that only one tile of latents is on chip. A tile's rows past
-        the block or the cache's end load as zeros, masked (never read)."""
+    def gather(g: int, pos: jax.Array, lo: int, width: int) -> jax.Array:
+        """`[chunk, width]`: channels [lo, lo + width) of packed node g's ancestor at each position (zeros where
+        none), one `ROWS`-node tile of the block at a time so that only one tile of latents is on chip. A tile's
+        rows past the block or the cache's end load as zeros, masked (never read)."""
         out = jnp.zeros((chunk, width), jnp.float32)
         for j in range(0, depth_ref.shape[0], ROWS):
-            d, sv = depth_ref[pl.ds(j, ROWS)], see_ref[pl.ds(j, ROWS)] > 0
+            d, sv = depth_ref[pl.ds(j, ROWS)], see_ref[g, pl.ds(j, ROWS)] > 0
             pick = (((pos - prefix)[:, None] == d[None, :]) & sv[None, :]).astype(dtype)  # one-hot rows
             node = j + jnp.arange(ROWS, dtype=jnp.int32)
             in_block = ((node < nodes) & (prefix + node < kv_ref.shape[0]))[:, None]
@@ -173,31 +229,34 @@ def _segment_kernel(
             out += dot(pick, lat)
         return out.astype(dtype)
 
-    def tail(pos, kn, kp):
+    def tail(g: int, pos: jax.Array, kn: jax.Array, kp: jax.Array) -> Keys:
         in_prefix = (pos < prefix)[:, None]
         return (
-            jnp.where(in_prefix, kn, gather(pos, 0, value_dim)),
-            jnp.where(in_prefix, kp, gather(pos, value_dim, rope_dim)),
+            jnp.where(in_prefix, kn, gather(g, pos, 0, value_dim)),
+            jnp.where(in_prefix, kp, gather(g, pos, value_dim, rope_dim)),
         )
 
-    last = prefix + jnp.max(jnp.where(see, depth, 0))
+    lasts = [prefix + jnp.max(jnp.where(see_ref[g, :] > 0, depth, 0)) for g in range(see_ref.shape[0])]
     options = {"scale": scale, "value_dim": value_dim, "chunk": chunk}
-    _attend_segment(q_ref, kv_ref, acc_ref, m_ref, l_ref, prefix, last, tail, **options)
+    _attend_segment(q_ref, kv_ref, acc_ref, m_ref, l_ref, prefix, lasts, tail, **options)
 
 
-def _causal_segment_kernel(prefix_ref, q_ref, kv_ref, acc_ref, m_ref, l_ref, *, scale, value_dim, chunk):
-    """One (sequence, node, segment) program of a causal block whose latents the cache already holds: node j sits
-    at prefix + j with every earlier position its ancestor, so it is the decode step at that position. Its own
-    latent is read back from its slot and positions past it are zeros, the keys the tree gather gives a decode
-    step. prefix_ref: scalar int32; q_ref, kv_ref and the partial's refs as in `_segment_kernel`."""
-    last = prefix_ref[()] + pl.program_id(1)
+def _causal_segment_kernel(prefix_ref, q_ref, kv_ref, acc_ref, m_ref, l_ref, *, scale, value_dim, chunk, nodes, group):
+    """One (sequence, node group, segment) program of a causal block of `nodes` nodes whose latents the cache
+    already holds, `group` nodes packed in the query rows: node k sits at prefix + k with every earlier position
+    its ancestor, so it is the decode step at that position. Its own latent is read back from its slot and
+    positions past it are zeros, the keys the tree gather gives a decode step. A padding node past the block
+    (its query zeros) reads the last node's positions. prefix_ref: scalar int32; q_ref, kv_ref and the partial's
+    refs as in `_segment_kernel`."""
+    first = pl.program_id(1) * group
+    lasts = [prefix_ref[()] + jnp.minimum(first + g, nodes - 1) for g in range(group)]
 
-    def tail(pos, kn, kp):
-        seen = (pos <= last)[:, None]
+    def tail(g: int, pos: jax.Array, kn: jax.Array, kp: jax.Array) -> Keys:
+        seen = (pos <= lasts[g])[:, None]
         return jnp.where(seen, kn, jnp.zeros_like(kn)), jnp.where(seen, kp, jnp.zeros_like(kp))
 
     options = {"scale": scale, "value_dim": value_dim, "chunk": chunk}
-    _attend_segment(q_ref, kv_ref, acc_ref, m_ref, l_ref, last, last, tail, **options)
+    _attend_segment(q_ref, kv_ref, acc_ref, m_ref, l_ref, lasts[0], lasts, tail, **options)
 
 
 def _merged_kernel(live_ref, acc_ref, m_ref, l_ref, w_ref, o_ref, *, tokens: int, block_k: int) -> None:
@@ -308,8 +367,10 @@ def _segment_partials(
     causal: bool,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The segment kernel's partials, acc `[S, B, N, R, value_dim]` and maxes, sums `[S, B, N, R]` (f32; those of
-    segments past a node's last position unwritten), and live `[B, N]` int32, the segments each node reaches."""
+    """The segment kernel's partials per query token, acc `[S, B*N', R/P, value_dim]` and maxes, sums
+    `[S, B*N', R/P]` (f32; those of segments past a token's last position unread), and live `[B*N']` int32, the
+    segments each token reaches (N' = N padded to whole groups of P = `nodes_per_program`; the padding tokens' are
+    discarded)."""
     b, n, heads, dk = q.shape
     if n > MAX_BLOCK + 1 and not causal:  # a budget-64 tree has 65 nodes
         raise ValueError(f"{n} nodes in one call; the exact kernel takes at most {MAX_BLOCK + 1}")
@@ -324,23 +385,27 @@ def _segment_partials(
     length = latent_cache.shape[1]
     segments = pl.cdiv(length, SEGMENT)
     rows = query_rows(heads)
-    if segments * b * n * rows * value_dim >= 2**31:  # Pallas-Triton addresses a buffer with int32 offsets
-        raise ValueError(f"{segments} x {b} x {n} partials of {rows} x {value_dim}: more than int32 offsets reach")
+    group = nodes_per_program(heads, n, b, segments)
+    groups = pl.cdiv(n, group)
+    if segments * b * groups * rows * value_dim >= 2**31:  # Pallas-Triton addresses a buffer with int32 offsets
+        raise ValueError(f"{segments} x {b} x {groups} partials of {rows} x {value_dim}: more than int32 offsets reach")
     prefix = prefix_len.astype(jnp.int32)
-    qr = jnp.pad(q.astype(latent_cache.dtype), ((0, 0), (0, 0), (0, rows - heads), (0, 0)))
+    node_pad = groups * group - n
+    qr = jnp.pad(q.astype(latent_cache.dtype), ((0, 0), (0, node_pad), (0, rows // group - heads), (0, 0)))
+    qr = qr.reshape(b, groups, rows, dk)  # each group's nodes, their heads padded to R / P rows each
     stats = pl.BlockSpec((None, None, None, rows), lambda i, j, s: (s, i, j, 0))
     out_specs = [pl.BlockSpec((None, None, None, rows, value_dim), lambda i, j, s: (s, i, j, 0, 0)), stats, stats]
     out_shape = [
-        jax.ShapeDtypeStruct((segments, b, n, rows, value_dim), jnp.float32),
-        jax.ShapeDtypeStruct((segments, b, n, rows), jnp.float32),
-        jax.ShapeDtypeStruct((segments, b, n, rows), jnp.float32),
+        jax.ShapeDtypeStruct((segments, b, groups, rows, value_dim), jnp.float32),
+        jax.ShapeDtypeStruct((segments, b, groups, rows), jnp.float32),
+        jax.ShapeDtypeStruct((segments, b, groups, rows), jnp.float32),
     ]
     prefix_spec = pl.BlockSpec((None,), lambda i, j, s: (i,))
     q_spec = pl.BlockSpec((None, None, rows, dk), lambda i, j, s: (i, j, 0, 0))
     kv_spec = pl.BlockSpec((None, length, dk), lambda i, j, s: (i, 0, 0))
     options = {"scale": float(scale), "value_dim": value_dim, "chunk": chunk_len(dk)}
     if causal:
-        kernel = functools.partial(_causal_segment_kernel, **options)
+        kernel = functools.partial(_causal_segment_kernel, **options, nodes=n, group=group)
         in_specs = [prefix_spec, q_spec, kv_spec]
         args = (prefix, qr, latent_cache)
         reach = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
@@ -348,12 +413,12 @@ def _segment_partials(
         n_pad = max(ROWS, pl.next_power_of_2(n))
         depths = tree_depths(tree_mask)
         depth = jnp.pad(depths, ((0, 0), (0, n_pad - n)), constant_values=-1)
-        see = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n)))
+        see = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, node_pad), (0, n_pad - n)))
         kernel = functools.partial(_segment_kernel, **options, nodes=n)
         in_specs = [
             prefix_spec,
             pl.BlockSpec((None, n_pad), lambda i, j, s: (i, 0)),
-            pl.BlockSpec((None, None, n_pad), lambda i, j, s: (i, j, 0)),
+            pl.BlockSpec((None, group, n_pad), lambda i, j, s: (i, j, 0)),
             q_spec,
             kv_spec,
         ]
@@ -361,7 +426,7 @@ def _segment_partials(
         reach = jnp.max(jnp.where(tree_mask, depths[:, None, :], 0), axis=-1)  # depth reached (as the kernel)
     acc, maxes, sums = pl.pallas_call(
         kernel,
-        grid=(b, n, segments),
+        grid=(b, groups, segments),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -370,7 +435,14 @@ def _segment_partials(
         name="mla_attention_exact",
     )(*args)
     live = jnp.minimum(pl.cdiv(prefix[:, None] + reach + 1, SEGMENT), segments)  # `[B, N]` segments reached
-    return acc, maxes, sums, live
+    live = jnp.pad(live, ((0, 0), (0, node_pad)), constant_values=1)
+    tokens = b * groups * group
+    return (
+        acc.reshape(segments, tokens, rows // group, value_dim),
+        maxes.reshape(segments, tokens, rows // group),
+        sums.reshape(segments, tokens, rows // group),
+        live.reshape(tokens),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "value_dim", "causal", "out_dtype", "interpret"))
@@ -404,15 +476,5 @@ def mla_output_exact(
     acc, maxes, sums, live = _segment_partials(
         q, latent_cache, prefix_len, tree_mask, scale, value_dim, causal, interpret
     )
-    segments, rows = acc.shape[0], acc.shape[3]
-    tokens = (segments, b * n, rows)
-    out = merged_value_matmul(
-        acc.reshape(*tokens, value_dim),
-        maxes.reshape(tokens),
-        sums.reshape(tokens),
-        live.reshape(b * n),
-        w_uv,
-        out_dtype=out_dtype,
-        interpret=interpret,
-    )
-    return out.reshape(b, n, heads, -1)
+    out = merged_value_matmul(acc, maxes, sums, live, w_uv, out_dtype=out_dtype, interpret=interpret)
+    return out.reshape(b, -1, heads, out.shape[-1])[:, :n]

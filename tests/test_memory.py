@@ -181,13 +181,13 @@ def test_exact_partials_match_the_kernel(batch: int, tokens: int, cap: int) -> N
     )
     acc, maxes, sums, _ = jax.eval_shape(lambda *a: run(*a, tree_mask=None), q, cache, prefix)
     want = sum(x.size * 4 for x in (acc, maxes, sums))
-    assert mla_exact.partial_bytes(batch * tokens, cap, heads, cfg.kv_lora_rank) == want
+    assert mla_exact.partial_bytes(batch, tokens, cap, heads, cfg.kv_lora_rank) == want
 
 
 def test_exact_plan_counts_the_partials_and_chunks() -> None:
     target, dcfg = tiny_kimi_config(), tiny_dflash_config(tiny_kimi_config())
     kw = {"batch": 2, "max_len": 700, "prompt_len": 600, "method": "ddtree", "budget": 8}
     off, on = memory.plan(target, dcfg, **kw), memory.plan(target, dcfg, exact=True, **kw)
-    partials = mla_exact.partial_bytes(2 * on.tree_size, on.capacity, target.num_attention_heads, target.kv_lora_rank)
+    partials = mla_exact.partial_bytes(2, on.tree_size, on.capacity, target.num_attention_heads, target.kv_lora_rank)
     assert on.workspace["round"] - off.workspace["round"] == partials
     assert on.workspace["prefill"] != off.workspace["prefill"] and on.total > off.total

@@ -1,9 +1,9 @@
 """The batch- and tree-invariant MLA attention and its W_UV product (interpret mode on CPU, compiled on a GPU): it
-matches `mla_attention_reference` followed by the W_UV einsum, and a token's output is bitwise the same as a
-one-token decode step, as a node of trees of 1, 9, 17 and 65 nodes, inside a causal (prefill) block, beside other
-rows, on either side of segment boundaries and under any allocated cache length (so any number of segments in the
-grid). The merge inside the W_UV product reads only the segments a token reaches, and a token's result does not
-depend on the other tokens of its call."""
+matches `mla_attention_reference` followed by the W_UV einsum, and a token's output is bitwise the same as a one-
+token decode step, as a node of trees of 1, 9, 17 and 65 nodes, inside a causal (prefill) block, beside other rows,
+on either side of segment boundaries and under any allocated cache length (so any number of segments in the grid),
+and whichever nodes share a program's query rows. The merge inside the W_UV product reads only the segments a token
+reaches, and a token's result does not depend on the other tokens of its call."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import mla_exact
 from pallas_kernels.mla_attention import MLAConfig, mla_attention_split
 from pallas_kernels.mla_exact import MAX_BLOCK, SEGMENT, merged_value_matmul, mla_output_exact
 from pallas_kernels.reference import mla_attention_reference
@@ -20,6 +21,19 @@ SCALE = 0.125
 HEADS = 4
 V = 32  # W_UV's output columns per head
 INTERPRET = jax.default_backend() != "gpu"
+SHIPPED_PACKING = {"PACK_MIN_SEGMENTS": mla_exact.PACK_MIN_SEGMENTS, "PACK_MIN_PROGRAMS": mla_exact.PACK_MIN_PROGRAMS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pack_small_calls():
+    """This module's calls are small: every one packs nodes where its heads allow (the bitwise checks cover the
+    packed kernel), except where a test raises the thresholds again."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in SHIPPED_PACKING:
+            patch.setattr(mla_exact, name, 1)
+        jax.clear_caches()
+        yield
+    jax.clear_caches()
 
 
 def random_tree_mask(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -32,15 +46,15 @@ def random_tree_mask(rng: np.random.Generator, n: int) -> np.ndarray:
     return mask
 
 
-def w_uv(dtype, value_dim: int) -> jax.Array:
-    """One fixed W_UV `[HEADS, V, value_dim]` per (dtype, value_dim)."""
-    w = np.random.default_rng(value_dim).standard_normal((HEADS, V, value_dim)) / np.sqrt(value_dim)
+def w_uv(dtype, value_dim: int, heads: int = HEADS) -> jax.Array:
+    """One fixed W_UV `[heads, V, value_dim]` per (dtype, value_dim, heads)."""
+    w = np.random.default_rng(value_dim).standard_normal((heads, V, value_dim)) / np.sqrt(value_dim)
     return jnp.asarray(w, dtype)
 
 
 def exact(q, cache, prefix, mask, value_dim: int) -> np.ndarray:
-    """`[B, N, HEADS, V]` f32: the exact attention of the nodes times W_UV."""
-    args = (jnp.asarray(prefix, jnp.int32), jnp.asarray(mask), w_uv(q.dtype, value_dim), SCALE, value_dim)
+    """`[B, N, Hq, V]` f32: the exact attention of the nodes times W_UV."""
+    args = (jnp.asarray(prefix, jnp.int32), jnp.asarray(mask), w_uv(q.dtype, value_dim, q.shape[2]), SCALE, value_dim)
     return np.asarray(mla_output_exact(q, cache, *args, interpret=INTERPRET))
 
 
@@ -82,11 +96,11 @@ def test_out_dtype_rounds_the_f32_product():
     assert np.array_equal(np.asarray(rounded), np.asarray(exact(q, cache, [30, 100], mask, dv).astype(jnp.bfloat16)))
 
 
-def chain_setup(rng: np.random.Generator, dtype, dk: int, prefix: int, k: int):
+def chain_setup(rng: np.random.Generator, dtype, dk: int, prefix: int, k: int, heads: int = HEADS):
     """A context cache of `prefix` positions, k chain tokens' latents `[k, Dk]` and queries `[k, Hq, Dk]`."""
     context = rng.standard_normal((prefix, dk))
     latents = rng.standard_normal((k, dk))
-    queries = rng.standard_normal((k, HEADS, dk))
+    queries = rng.standard_normal((k, heads, dk))
     return (jnp.asarray(a, dtype) for a in (context, latents, queries))
 
 
@@ -103,7 +117,14 @@ def decode_steps(kernel, context, latents, queries, length: int, dv: int) -> lis
 
 
 def tree_case(
-    kernel, n: int, dtype, dk: int = 160, dv: int = 128, prefix: int = 100, length: int | None = None
+    kernel,
+    n: int,
+    dtype,
+    dk: int = 160,
+    dv: int = 128,
+    prefix: int = 100,
+    length: int | None = None,
+    heads: int = HEADS,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The deepest node's ancestor chain of a random n-node tree at `prefix`, verified in one call with other rows
     beside it: (the chain token's output in the tree, its decode step's output) per chain token. length: the
@@ -113,12 +134,12 @@ def tree_case(
     mask = random_tree_mask(rng, n)
     depth = mask.sum(-1) - 1
     chain = np.flatnonzero(mask[int(np.argmax(depth))])  # block indices of depths 0..d, ascending
-    context, latents, queries = chain_setup(rng, dtype, dk, prefix, len(chain))
+    context, latents, queries = chain_setup(rng, dtype, dk, prefix, len(chain), heads)
     want = decode_steps(kernel, context, latents, queries, length, dv)
 
     b, row = 3, 1
     cache = jnp.asarray(rng.standard_normal((b, length, dk)), dtype)  # other rows and other nodes: noise
-    q = jnp.asarray(rng.standard_normal((b, n, HEADS, dk)), dtype)
+    q = jnp.asarray(rng.standard_normal((b, n, heads, dk)), dtype)
     cache = cache.at[row, :prefix].set(context).at[row, prefix + chain].set(latents)
     q = q.at[row, chain].set(queries)
     masks = np.stack([random_tree_mask(rng, n), mask, random_tree_mask(rng, n)])
@@ -134,6 +155,52 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.mark.parametrize("n", [1, 9, 17, 65])
 def test_a_tree_node_equals_its_decode_step_bitwise(n, dtype):
     assert all(same_bits(got, want) for got, want in tree_case(exact, n, dtype))
+
+
+@pytest.mark.parametrize(
+    ("heads", "n", "prefix", "causal", "dtype"),
+    [
+        (4, 5, [62, 255], True, jnp.bfloat16),  # 4 nodes a program: a second group of 1 and 3 padding nodes
+        (8, 3, [63, 126], True, jnp.float32),  # 2 a program, one padding node
+        (2, 17, [62, 255], False, jnp.bfloat16),  # 8 a program
+        (4, 9, [63, 126], False, jnp.float32),
+    ],
+)
+def test_packing_nodes_changes_no_bit(monkeypatch, heads, n, prefix, causal, dtype):
+    """The whole output, every row, node and head, with nodes packed in a program's rows equals bit for bit the
+    output with one node a program, causal blocks with padding nodes and trees alike, their groups reaching across
+    chunk (64) and segment (256) boundaries."""
+    rng = np.random.default_rng(heads * n)
+    b, dk, dv, length = 2, 160, 128, 384
+    q = jnp.asarray(rng.standard_normal((b, n, heads, dk)), dtype)
+    cache = jnp.asarray(rng.standard_normal((b, length, dk)), dtype)
+    mask = None if causal else jnp.asarray(np.stack([random_tree_mask(rng, n) for _ in range(b)]))
+    args = (q, cache, jnp.asarray(prefix, jnp.int32), mask, w_uv(dtype, dv, heads), SCALE, dv)
+    assert mla_exact.nodes_per_program(heads, n, b, 2) > 1
+    packed = np.asarray(mla_output_exact(*args, causal=causal, interpret=INTERPRET))
+    monkeypatch.setattr(mla_exact, "PACK_MIN_PROGRAMS", b * n * 2 + 1)
+    assert mla_exact.nodes_per_program(heads, n, b, 2) == 1
+    jax.clear_caches()  # trace again, one node a program
+    single = np.asarray(mla_output_exact(*args, causal=causal, interpret=INTERPRET))
+    assert same_bits(packed, single)
+
+
+def test_nodes_are_packed_only_in_calls_with_a_long_prefix_that_fill_the_gpu(monkeypatch):
+    """A verify of 17 nodes of 4 heads over 5 segments (context 1024) packs 4 nodes a program at 8 rows, none at 1;
+    over one segment (context 60), none at 32 rows."""
+    for name, value in SHIPPED_PACKING.items():
+        monkeypatch.setattr(mla_exact, name, value)
+    assert [mla_exact.nodes_per_program(4, 17, b, 5) for b in (1, 8)] == [1, 4]
+    assert mla_exact.nodes_per_program(4, 17, 32, 1) == 1
+    assert mla_exact.nodes_per_program(3, 17, 8, 5) == 1  # 3 heads do not divide the rows
+
+
+@pytest.mark.parametrize("heads", [2, 3, 8, 16])
+@pytest.mark.parametrize("n", [3, 17])
+def test_nodes_packed_in_a_programs_rows_equal_their_decode_steps_bitwise(heads, n):
+    """Other head counts: 8 nodes share a program's 16 rows (2 heads; 2 nodes at n = 3), 2 nodes (8 heads), one
+    node (3 heads, which do not divide the rows; 16 heads, which fill them)."""
+    assert all(same_bits(got, want) for got, want in tree_case(exact, n, jnp.bfloat16, heads=heads))
 
 
 def test_a_tree_ending_at_the_caches_last_slot_equals_its_decode_steps_bitwise():

@@ -46,13 +46,14 @@ def test_mla_kernel_lowers(nodes, dtype):
     assert "__gpu$xla.gpu.triton" in text and "mla_attention" in text
 
 
+@pytest.mark.parametrize("heads", [64, 8, 4])
 @pytest.mark.parametrize(("nodes", "length", "causal"), [(1, 192, False), (17, 1088, False), (40, 1088, True)])
-def test_exact_mla_kernels_lower(nodes, length, causal):
-    """The exact attention and its W_UV product at K2.6 widths (64 heads, 576-channel latents, w_uv `[64, 128,
-    512]`): the segment kernel, then the merge inside the W_UV product, for a one-segment cache and a 5-segment one
-    (the last partial), a tree block and a causal one."""
+def test_exact_mla_kernels_lower(nodes, length, causal, heads):
+    """The exact attention and its W_UV product at K2.6 widths (576-channel latents, w_uv `[heads, 128, 512]`; 64
+    heads; 8, one rank's of eight, two nodes to a program; 4, four): the segment kernel, then the merge inside the W_UV
+    product, for a one-segment cache and a 5-segment one (the last partial), a tree block and a causal one."""
     fn = lambda q, cache, prefix, mask, w: mla_output_exact(q, cache, prefix, mask, w, 0.1, 512, causal=causal)
-    text = lower_for_h200(fn, *abstract_inputs(2, nodes, 64, length), spec((64, 128, 512), jnp.bfloat16))
+    text = lower_for_h200(fn, *abstract_inputs(2, nodes, heads, length), spec((heads, 128, 512), jnp.bfloat16))
     assert re.findall(r'name = "(mla_\w*)"', text) == ["mla_attention_exact", "mla_exact_merged_w_uv"]
 
 
