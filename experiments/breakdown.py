@@ -4,16 +4,17 @@ kernels (launch gaps, the loop's per-round predicate copy to the host).
 
     python -m experiments.breakdown [--budgets=8,16,32] [--concurrency=1] [--context=60]
 
-Per method: `round_ms` = (wall(--max_new_tokens) - wall(1 token: prefill only)) / loop iterations, medians of
---repeats runs of the compiled programs (all compiled up front on threads). Then one run under `jax.profiler`; its
-device events are joined with the program's HLO metadata (engine.py puts every piece in a `jax.named_scope`:
-experiments/device_profile.py) into `<piece>_ms` and `<piece>_kernels` per round; `other` = loop ops outside the
-pieces, `idle_ms` = round_ms - device-busy time; `top_kernels`: the --top_kernels costliest kernels as [scope:kernel,
-microseconds per round, launches per round]. Prefill is excluded. On a CPU the per-op events of a multi-threaded
+Per method: `round_ms` = (wall(--max_new_tokens) - wall(1 token: prefill only)) / loop iterations, medians of --repeats
+runs of the compiled programs (all compiled up front on threads). Then one run under `jax.profiler`; its device events
+are joined with the program's HLO metadata (engine.py puts every piece in a `jax.named_scope`:
+experiments/device_profile.py) into `<piece>_ms` and `<piece>_kernels` per round; `other` = loop ops outside the pieces,
+`idle_ms` = round_ms - device-busy time; `top_kernels`: the --top_kernels costliest kernels as [scope:kernel,
+microseconds per round, launches per round]. The prefill is kept apart: `prefill_ms` and `prefill_kernels`, its device
+time and kernels in the profiled run (once per call, not per round). On a CPU the per-op events of a multi-threaded
 runtime overlap, so only the GPU numbers add up. On a GPU XLA runs the loop body as one CUDA graph: its kernels follow
 each other without launch gaps, and the profiler stretches them a little, so `idle_ms` comes out near zero or slightly
-negative. Writes <out_dir>/<name>.json and .md (default breakdown); with --save_hlo also each method's compiled
-program, <name>_<method><budget>.hlo.txt.gz.
+negative. Writes <out_dir>/<name>.json and .md (default breakdown); with --save_hlo also each method's compiled program,
+<name>_<method><budget>.hlo.txt.gz.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ flags.DEFINE_string("out_dir", "", "results directory (default experiments/resul
 PIECES = ("draft", "tree", "verify", "accept", "step", "other")  # `step`: the AR round; `other`: loop ops outside
 SCOPES = ("prefill", *PIECES[:-1])
 COLUMNS = ["method", "budget", "concurrency", "context", "tokens_per_round", "round_ms"]
-COLUMNS += [f"{p}_ms" for p in PIECES] + ["idle_ms", "kernels_per_round"]
+COLUMNS += [f"{p}_ms" for p in PIECES] + ["idle_ms", "kernels_per_round", "prefill_ms"]
 
 
 def median_wall(gen, prompts, kw: dict) -> float:
@@ -107,7 +108,7 @@ def main(_) -> None:
         committed = sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
         round_s = (median_wall(gen, prompts, full) - median_wall(gen, prompts, prefill_only)) / iterations
         scopes, misses, top, hlo = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
-        scopes.pop("prefill", None)
+        prefill_us, prefill_n = scopes.pop("prefill", (0.0, 0))
         per_round = {p: scopes.get(p, (0.0, 0)) for p in PIECES}
         busy_ms = sum(us for us, _ in per_round.values()) / 1e3 / iterations
         rec = {
@@ -126,6 +127,8 @@ def main(_) -> None:
             "busy_ms": busy_ms,
             "idle_ms": round_s * 1e3 - busy_ms,
             "kernels_per_round": sum(n for _, n in per_round.values()) / iterations,
+            "prefill_ms": prefill_us / 1e3,
+            "prefill_kernels": prefill_n,
             "unattributed_ops": misses,
             "top_kernels": [[name, us / iterations, n / iterations] for name, us, n in top],  # per round
             "max_new_tokens": FLAGS.max_new_tokens,

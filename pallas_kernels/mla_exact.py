@@ -91,8 +91,8 @@ def query_rows(heads: int) -> int:
 def nodes_per_program(heads: int, nodes: int, batch: int, segments: int) -> int:
     """Nodes of one sequence whose query rows share a segment program (P): where `heads` divides ROWS and the call
     has at least PACK_MIN_SEGMENTS segments and PACK_MIN_PROGRAMS (sequence, node, segment) triples, as many as fill
-    the ROWS rows (4 for 4 heads, 2 for 8), a power of two, at most `nodes`; else 1. The nodes share the prefix's loads; each row's dots are those
-    of its node alone (see `_attend_segment`), so P changes no bit of the output."""
+    the ROWS rows (4 for 4 heads, 2 for 8), a power of two, at most `nodes`; else 1. The nodes share the prefix's
+    loads; each row's dots are those of its node alone (see `_attend_segment`), so P changes no bit of the output."""
     if ROWS % heads or segments < PACK_MIN_SEGMENTS or batch * nodes * segments < PACK_MIN_PROGRAMS:
         return 1
     return min(ROWS // heads, 1 << (max(nodes, 1).bit_length() - 1))
