@@ -23,7 +23,7 @@
 #   in the kernel's record, --top_kernels=400) and with the kernel's projections in XLA, (STAGES=drafter_bench) the
 #   drafter's forward alone, bench_drafter: the K2.5 drafter at 2K and 8K allocations, and (STAGES=drafter_mini) the
 #   shipped pair's at 32 rows with the block's projections in the kernel and in XLA (issue 37; about 5 + 3 + 2 min)
-#   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 4 min)
+#   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 6 min)
 #   and (STAGES=exact_segments) breakdown with the exact numerics at context 1024, batch 1 and 32, for exact MLA
 #   segments of EXACT_SEGMENTS positions (64-1024; issue 34; about 9 min, 100-120 s a run: two calls, e.g.
 #   EXACT_SEGMENTS="64 128 256" then "512 1024")
@@ -133,11 +133,12 @@ want drafter && stage breakdown_c32_xla 120 "$PY" -m experiments.breakdown --out
 # Exact numerics (issue 34): layer by layer, decode steps vs block / tree / batch, with and without; then the same
 # ragged requests at batch 1/8/32 as every method, compared with batch-1 ar, and tokens/s on vs off.
 want exact_check && stage exact_probe 70 "$PY" -m experiments.exact_probe --out_dir="$RES"
-# Where the exact numerics' cost sits at batch 1 and context 1024: rounds with and without them, one program each.
-want exact_cost && stage breakdown_exact 150 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,ddtree \
-  --budgets=16 --context=1024 --exact --name=breakdown_exact_ctx1024
-want exact_cost && stage breakdown_fast 120 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,ddtree \
-  --budgets=16 --context=1024 --noexact --name=breakdown_noexact_ctx1024
+# Where the exact numerics' cost sits at batch 1 and context 1024: rounds and the prefill with and without them, the
+# cells exact_check finds slowest (dflash, ddtree 4) beside ar and ddtree 16, every kernel listed.
+want exact_cost && stage breakdown_exact 200 "$PY" -m experiments.breakdown --out_dir="$RES" \
+  --methods=ar,dflash,ddtree --budgets=4,16 --context=1024 --exact --top_kernels=400 --name=breakdown_exact_ctx1024
+want exact_cost && stage breakdown_fast 170 "$PY" -m experiments.breakdown --out_dir="$RES" \
+  --methods=ar,dflash,ddtree --budgets=4,16 --context=1024 --noexact --top_kernels=400 --name=breakdown_noexact_ctx1024
 # The exact MLA kernel's segment length (fixed for every call; 256 today) at batch 1 and 32, context 1024.
 for seg in ${EXACT_SEGMENTS:-64 128 256 512 1024}; do
   want exact_segments && stage "breakdown_exact_seg$seg" 120 "$PY" -m experiments.breakdown --out_dir="$RES" \
