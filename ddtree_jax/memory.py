@@ -25,9 +25,9 @@
   Every term counts one layer's temporaries (layers run one after another). Small buffers (tokens, lengths,
   tree indices, one `[B, V]` prefill logit row) are not counted.
   Under the exact numerics (`exact=True`) the prefill is never the naive pass (chunks of `engine.prefill_chunk`
-  tokens), and both phases add the exact MLA kernel's partials (`mla_exact.partial_bytes`): per program (a group
-  of query tokens packed in one program's rows) and context segment of `mla_exact.SEGMENT` slots, an f32
-  `[rows, kv_lora_rank]` accumulator with its row maxes and sums.
+  tokens), and both phases add the exact MLA kernel's partials (`mla_exact.partial_bytes`): per query token and
+  context segment of `mla_exact.SEGMENT` slots, an f32 `[rows, kv_lora_rank]` accumulator with its row maxes and
+  sums (the bound: a call that packs tokens in a program's rows writes fewer).
 
 Activations and non-INT4 weights use the model dtype (`dtype_bytes`, 2 for bfloat16); the router bias is f32.
 """

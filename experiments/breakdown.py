@@ -10,11 +10,11 @@ are joined with the program's HLO metadata (engine.py puts every piece in a `jax
 experiments/device_profile.py) into `<piece>_ms` and `<piece>_kernels` per round; `other` = loop ops outside the pieces,
 `idle_ms` = round_ms - device-busy time; `top_kernels`: the --top_kernels costliest kernels as [scope:kernel,
 microseconds per round, launches per round]. The prefill is kept apart: `prefill_ms` and `prefill_kernels`, its device
-time and kernels in the profiled run (once per call, not per round). On a CPU the per-op events of a multi-threaded
-runtime overlap, so only the GPU numbers add up. On a GPU XLA runs the loop body as one CUDA graph: its kernels follow
-each other without launch gaps, and the profiler stretches them a little, so `idle_ms` comes out near zero or slightly
-negative. Writes <out_dir>/<name>.json and .md (default breakdown); with --save_hlo also each method's compiled program,
-<name>_<method><budget>.hlo.txt.gz.
+time and kernels in the profiled run (once per call, not per round), and `prefill_top_kernels` as top_kernels. On a CPU
+the per-op events of a multi-threaded runtime overlap, so only the GPU numbers add up. On a GPU XLA runs the loop body
+as one CUDA graph: its kernels follow each other without launch gaps, and the profiler stretches them a little, so
+`idle_ms` comes out near zero or slightly negative. Writes <out_dir>/<name>.json and .md (default breakdown); with
+--save_hlo also each method's compiled program, <name>_<method><budget>.hlo.txt.gz.
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ def median_wall(gen, prompts, kw: dict) -> float:
     return statistics.median(gen.generate(prompts, **kw).wall_s for _ in range(FLAGS.repeats))
 
 
-def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, int]], list[str], list, str]:
-    """({scope: (device microseconds, kernels)}, the most frequent ops no scope claimed, the costliest kernels
-    `device_profile.costliest`, the compiled program's HLO text) of one run of `spec`'s program under the profiler."""
+def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, int]], list[str], list, list, str]:
+    """({scope: (device microseconds, kernels)}, the most frequent ops no scope claimed, the costliest kernels of the
+    rounds and of the prefill (`device_profile.costliest`), the compiled program's HLO text) of one run of `spec`'s
+    program under the profiler."""
     (program, _, _), _ = gen.compiled(spec)
     text = program.as_text()
     ops = device_profile.profiled_ops(lambda: gen.generate(prompts, **kw), text)
@@ -72,6 +73,7 @@ def profile_ops(gen, prompts, kw: dict, spec) -> tuple[dict[str, tuple[float, in
         device_profile.per_scope(ops, scope_map),
         device_profile.unattributed(ops, scope_map),
         device_profile.costliest(ops, scope_map, FLAGS.top_kernels),
+        device_profile.costliest(ops, scope_map, FLAGS.top_kernels, prefill=True),
         text,
     )
 
@@ -107,7 +109,9 @@ def main(_) -> None:
         iterations = max(st["rounds"] for st in first.stats)  # the loop runs until its slowest row is done
         committed = sum(st["tokens_per_round"] * st["rounds"] for st in first.stats)
         round_s = (median_wall(gen, prompts, full) - median_wall(gen, prompts, prefill_only)) / iterations
-        scopes, misses, top, hlo = profile_ops(gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)])
+        scopes, misses, top, top_prefill, hlo = profile_ops(
+            gen, prompts, full, specs[(method, budget, FLAGS.max_new_tokens)]
+        )
         prefill_us, prefill_n = scopes.pop("prefill", (0.0, 0))
         per_round = {p: scopes.get(p, (0.0, 0)) for p in PIECES}
         busy_ms = sum(us for us, _ in per_round.values()) / 1e3 / iterations
@@ -129,6 +133,7 @@ def main(_) -> None:
             "kernels_per_round": sum(n for _, n in per_round.values()) / iterations,
             "prefill_ms": prefill_us / 1e3,
             "prefill_kernels": prefill_n,
+            "prefill_top_kernels": [[name, us, n] for name, us, n in top_prefill],  # per call
             "unattributed_ops": misses,
             "top_kernels": [[name, us / iterations, n / iterations] for name, us, n in top],  # per round
             "max_new_tokens": FLAGS.max_new_tokens,

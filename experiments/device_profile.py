@@ -124,12 +124,12 @@ def per_scope(ops: list[tuple[str, str, float]], scope_map: dict[str, str]) -> d
 
 
 def costliest(
-    ops: list[tuple[str, str, float]], scope_map: dict[str, str], n: int = 12
+    ops: list[tuple[str, str, float]], scope_map: dict[str, str], n: int = 12, *, prefill: bool = False
 ) -> list[tuple[str, float, int]]:
-    """The `n` kernels of the most device time outside prefill: ("scope:kernel", total microseconds, count)."""
-    return _ranked(
-        _totals((f"{scope}:{name}", us) for scope, name, us in _scoped(ops, scope_map) if scope != "prefill"), n
-    )
+    """The `n` kernels of the most device time outside the prefill (or, with `prefill`, inside it): ("scope:kernel",
+    total microseconds, count)."""
+    scoped = _scoped(ops, scope_map)
+    return _ranked(_totals((f"{s}:{name}", us) for s, name, us in scoped if (s == "prefill") == prefill), n)
 
 
 def _scoped(ops: list[tuple[str, str, float]], scope_map: dict[str, str]):

@@ -68,11 +68,11 @@ WIDE_CHUNK = 32  # the chunk of latents wider than 256 (Kimi K2's 576: 64-slot t
 # segments are no shorter: where batch x nodes already fill the GPU they only add traffic.
 SEGMENT = 256
 ROWS = 16  # query rows per program at least (heads padded): Triton dots take 16 rows and more
-# Nodes are packed into a program's rows only in calls of at least PACK_MIN_SEGMENTS segments and PACK_MIN_PROGRAMS
-# (sequence, node, segment) triples (about four waves of an H100's 132 SMs). Packing cuts the programs P-fold and
-# shares the loads of the chunks below the prefix, but steps every chunk past it P times in one program: it pays
-# where the prefix spans several segments and the programs left still fill the GPU, and lengthens the critical path
-# where either fails (experiments/results/ab_exact_mla_pack).
+# Nodes are packed into a program's rows (`nodes_per_program`) only in calls of at least PACK_MIN_SEGMENTS segments
+# and PACK_MIN_PROGRAMS (sequence, node, segment) triples (about four waves of an H100's 132 SMs): packing cuts the
+# programs P-fold and shares the chunks below the prefix, but steps every chunk past it P times in one program, which
+# lengthens the critical path where the prefix is short or the programs left do not fill the GPU
+# (experiments/results/ab_exact_mla_pack).
 PACK_MIN_SEGMENTS = 4
 PACK_MIN_PROGRAMS = 512
 MAX_BLOCK = 64  # tree nodes per call at most (+ the root): a program holds the block's latents on chip
@@ -91,8 +91,8 @@ def query_rows(heads: int) -> int:
 def nodes_per_program(heads: int, nodes: int, batch: int, segments: int) -> int:
     """Nodes of one sequence whose query rows share a segment program (P): where `heads` divides ROWS and the call
     has at least PACK_MIN_SEGMENTS segments and PACK_MIN_PROGRAMS (sequence, node, segment) triples, as many as fill
-    the ROWS rows (4 for 4 heads, 2 for 8), a power of two, at most `nodes`; else 1. The nodes share the prefix's
-    loads; each row's dots are those of its node alone (see `_attend_segment`), so P changes no bit of the output."""
+    the ROWS rows (4 for 4 heads, 2 for 8), a power of two, at most `nodes`; else 1. P changes no bit of the output
+    (`_attend_segment`)."""
     if ROWS % heads or segments < PACK_MIN_SEGMENTS or batch * nodes * segments < PACK_MIN_PROGRAMS:
         return 1
     return min(ROWS // heads, 1 << (max(nodes, 1).bit_length() - 1))
@@ -100,11 +100,10 @@ def nodes_per_program(heads: int, nodes: int, batch: int, segments: int) -> int:
 
 def partial_bytes(batch: int, nodes: int, length: int, heads: int, value_dim: int) -> int:
     """Bytes of the segment kernel's partials for `batch` sequences of `nodes` query tokens of `heads` heads over a
-    cache of `length` slots: per program (ceil(nodes / P) per sequence) and segment, acc `[rows, value_dim]`,
-    running max and sum `[rows]`, all f32."""
-    segments = pl.cdiv(length, SEGMENT)
-    groups = pl.cdiv(nodes, nodes_per_program(heads, nodes, batch, segments))
-    return batch * groups * segments * query_rows(heads) * (value_dim + 2) * 4
+    cache of `length` slots, one node a program: per node and segment, acc `[rows, value_dim]`, running max and sum
+    `[rows]`, all f32. Packed calls write 1/P of that; the unpacked count is their bound, and it grows with every
+    argument (the memory planner's searches need that)."""
+    return batch * nodes * pl.cdiv(length, SEGMENT) * query_rows(heads) * (value_dim + 2) * 4
 
 
 Keys = tuple[jax.Array, jax.Array]  # a chunk's keys: latents `[chunk, value_dim]` and rope parts `[chunk, rope_dim]`
@@ -318,10 +317,11 @@ def merged_value_matmul(
     and multiplied by each head's W_UV (`_merged_kernel`): a token's result depends neither on the other tokens of
     the call nor on S.
 
-    acc `[S, T, R, C]` f32, maxes and sums `[S, T, R]` f32 (running maxes, log2 units; sums of exponentials), live
-    `[T]` int32 (segments each token reaches, >= 1: those past it are not read), w_uv `[Hq, V, C]` (Hq <= R; C a
-    multiple of the K step of `exact_matmul.tiling`) -> `[T, Hq, V]`, the f32 product rounded to out_dtype. V is
-    zero-padded to a power of two of at least 16 (a copy) where it is not one.
+    acc `[S, T, R, C]` f32, maxes and sums `[S, T, R]` f32 (a token's R rows: its share of a segment program's rows,
+    R / P; running maxes, log2 units; sums of exponentials), live `[T]` int32 (segments each token reaches, >= 1:
+    those past it are not read), w_uv `[Hq, V, C]` (Hq <= R; C a multiple of the K step of `exact_matmul.tiling`) ->
+    `[T, Hq, V]`, the f32 product rounded to out_dtype. V is zero-padded to a power of two of at least 16 (a copy)
+    where it is not one.
     """
     segments, tokens, rows, c = acc.shape
     heads, v, _ = w_uv.shape

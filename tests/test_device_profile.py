@@ -75,3 +75,4 @@ def test_device_events_are_attributed_once(tmp_path):
     ]
     top = device_profile.costliest(ops, scopes, n=3)
     assert top == [("verify:custom-call.7", 34.0, 2), ("tree:fusion.3", 15.0, 2), ("other:copy.1", 7.0, 1)]
+    assert device_profile.costliest(ops, scopes, prefill=True) == []  # this trace ran no prefill

@@ -181,7 +181,8 @@ def test_breakdown(tiny_pair, tmp_path):
     assert ar["step_kernels"] > 0 and all(ar[f"{p}_kernels"] == 0 for p in ("draft", "tree", "verify", "accept"))
     assert dd["step_kernels"] == 0 and all(dd[f"{p}_kernels"] > 0 for p in ("draft", "tree", "verify", "accept"))
     assert dd["busy_ms"] == pytest.approx(sum(dd[f"{p}_ms"] for p in ("draft", "tree", "verify", "accept", "other")))
-    assert ar["prefill_kernels"] > 0 and dd["prefill_ms"] > 0  # the prefill's, apart from the rounds'
+    assert ar["prefill_kernels"] > 0 and dd["prefill_ms"] > 0 and dd["prefill_top_kernels"]  # apart from the rounds'
+    assert all(name.startswith("prefill:") for name, _, _ in dd["prefill_top_kernels"])
 
 
 def test_bench_tree_build(tiny_pair, tmp_path):

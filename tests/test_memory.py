@@ -168,9 +168,10 @@ def test_layout_from_spec() -> None:
         memory.Layout.from_spec("1,1,8")
 
 
-@pytest.mark.parametrize(("batch", "tokens", "cap"), [(1, 1, 128), (3, 17, 640)])
-def test_exact_partials_match_the_kernel(batch: int, tokens: int, cap: int) -> None:
-    """The exact numerics' MLA partials term is the bytes the segment kernel writes for that many query tokens."""
+@pytest.mark.parametrize(("batch", "tokens", "cap"), [(1, 1, 128), (3, 17, 640), (8, 17, 1088)])
+def test_exact_partials_bound_the_kernels(batch: int, tokens: int, cap: int) -> None:
+    """The exact numerics' MLA partials term is the bytes the segment kernel writes for that many query tokens, one
+    node a program; more than it writes when it packs nodes (the last case, 4 a program)."""
     cfg = tiny_kimi_config()
     heads = cfg.num_attention_heads
     q = jax.ShapeDtypeStruct((batch, tokens, heads, cfg.latent_dim), jnp.bfloat16)
@@ -181,7 +182,10 @@ def test_exact_partials_match_the_kernel(batch: int, tokens: int, cap: int) -> N
     )
     acc, maxes, sums, _ = jax.eval_shape(lambda *a: run(*a, tree_mask=None), q, cache, prefix)
     want = sum(x.size * 4 for x in (acc, maxes, sums))
-    assert mla_exact.partial_bytes(batch, tokens, cap, heads, cfg.kv_lora_rank) == want
+    bound = mla_exact.partial_bytes(batch, tokens, cap, heads, cfg.kv_lora_rank)
+    packed = mla_exact.nodes_per_program(heads, tokens, batch, math.ceil(cap / mla_exact.SEGMENT)) > 1
+    assert packed == (batch == 8)
+    assert bound > want if packed else bound == want
 
 
 def test_exact_plan_counts_the_partials_and_chunks() -> None:

@@ -182,6 +182,7 @@ def test_packing_nodes_changes_no_bit(monkeypatch, heads, n, prefix, causal, dty
     assert mla_exact.nodes_per_program(heads, n, b, 2) == 1
     jax.clear_caches()  # trace again, one node a program
     single = np.asarray(mla_output_exact(*args, causal=causal, interpret=INTERPRET))
+    jax.clear_caches()  # no unpacked trace outlives the test's threshold
     assert same_bits(packed, single)
 
 

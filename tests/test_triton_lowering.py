@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments.mla_common import abstract_inputs, lower_for_h200
+from pallas_kernels import mla_exact
 from pallas_kernels.drafter_attention import drafter_attention_pallas
 from pallas_kernels.drafter_swiglu import drafter_swiglu_pallas
 from pallas_kernels.exact_matmul import head_matmul_pallas, matmul_pallas
@@ -50,10 +51,13 @@ def test_mla_kernel_lowers(nodes, dtype):
 @pytest.mark.parametrize(("nodes", "length", "causal"), [(1, 192, False), (17, 1088, False), (40, 1088, True)])
 def test_exact_mla_kernels_lower(nodes, length, causal, heads):
     """The exact attention and its W_UV product at K2.6 widths (576-channel latents, w_uv `[heads, 128, 512]`; 64
-    heads; 8, one rank's of eight, two nodes to a program; 4, four): the segment kernel, then the merge inside the W_UV
-    product, for a one-segment cache and a 5-segment one (the last partial), a tree block and a causal one."""
+    heads; 8, one rank's of eight, two nodes to a program over 5 segments; 4, four): the segment kernel, then the
+    merge inside the W_UV product, for a one-segment cache and a 5-segment one (the last partial), a tree block and a
+    causal one, at 8 rows."""
+    segments = -(-length // mla_exact.SEGMENT)
+    assert (mla_exact.nodes_per_program(heads, nodes, 8, segments) > 1) == (heads < 64 and segments > 1)
     fn = lambda q, cache, prefix, mask, w: mla_output_exact(q, cache, prefix, mask, w, 0.1, 512, causal=causal)
-    text = lower_for_h200(fn, *abstract_inputs(2, nodes, heads, length), spec((heads, 128, 512), jnp.bfloat16))
+    text = lower_for_h200(fn, *abstract_inputs(8, nodes, heads, length), spec((heads, 128, 512), jnp.bfloat16))
     assert re.findall(r'name = "(mla_\w*)"', text) == ["mla_attention_exact", "mla_exact_merged_w_uv"]
 
 
