@@ -23,6 +23,7 @@
 #   in the kernel's record, --top_kernels=400) and with the kernel's projections in XLA, (STAGES=drafter_bench) the
 #   drafter's forward alone, bench_drafter: the K2.5 drafter at 2K and 8K allocations, and (STAGES=drafter_mini) the
 #   shipped pair's at 32 rows with the block's projections in the kernel and in XLA (issue 37; about 5 + 3 + 2 min)
+#   and (STAGES=exact_tests) the exact MLA kernel's packing tests compiled on the GPU (up to 5 min)
 #   and (STAGES=exact_cost) breakdown at batch 1, context 1024 with and without the exact numerics (issue 34; 6 min)
 #   and (STAGES=exact_segments) breakdown with the exact numerics at context 1024, batch 1 and 32, for exact MLA
 #   segments of EXACT_SEGMENTS positions (64-1024; issue 34; about 9 min, 100-120 s a run: two calls, e.g.
@@ -133,6 +134,9 @@ want drafter && stage breakdown_c32_xla 120 "$PY" -m experiments.breakdown --out
 # Exact numerics (issue 34): layer by layer, decode steps vs block / tree / batch, with and without; then the same
 # ragged requests at batch 1/8/32 as every method, compared with batch-1 ar, and tokens/s on vs off.
 want exact_check && stage exact_probe 70 "$PY" -m experiments.exact_probe --out_dir="$RES"
+# The exact MLA kernel's packing tests compiled on the device (its own arithmetic, bit for bit; output only).
+want exact_tests && stage exact_tests 300 "$PY" -m pytest -x -q -p no:cacheprovider tests/test_mla_exact.py \
+  -k "packing or packed"
 # Where the exact numerics' cost sits at batch 1 and context 1024: rounds and the prefill with and without them, the
 # cells exact_check finds slowest (dflash, ddtree 4) beside ar and ddtree 16, every kernel listed.
 want exact_cost && stage breakdown_exact 200 "$PY" -m experiments.breakdown --out_dir="$RES" \
