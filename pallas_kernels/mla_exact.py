@@ -88,11 +88,13 @@ def query_rows(heads: int) -> int:
     return max(ROWS, pl.next_power_of_2(heads))
 
 
-def nodes_per_program(heads: int, nodes: int, batch: int, segments: int) -> int:
-    """Nodes of one sequence whose query rows share a segment program (P): where `heads` divides ROWS and the call
-    has at least PACK_MIN_SEGMENTS segments and PACK_MIN_PROGRAMS (sequence, node, segment) triples, as many as fill
-    the ROWS rows (4 for 4 heads, 2 for 8), a power of two, at most `nodes`; else 1. P changes no bit of the output
+def nodes_per_program(heads: int, nodes: int, batch: int, length: int) -> int:
+    """Nodes of one sequence whose query rows share a segment program (P) in a call of `batch` sequences of `nodes`
+    query tokens over a cache of `length` slots: where `heads` divides ROWS and the call has at least
+    PACK_MIN_SEGMENTS segments and PACK_MIN_PROGRAMS (sequence, node, segment) triples, as many as fill the ROWS rows
+    (4 for 4 heads, 2 for 8), a power of two, at most `nodes`; else 1. P changes no bit of the output
     (`_attend_segment`)."""
+    segments = pl.cdiv(length, SEGMENT)
     if ROWS % heads or segments < PACK_MIN_SEGMENTS or batch * nodes * segments < PACK_MIN_PROGRAMS:
         return 1
     return min(ROWS // heads, 1 << (max(nodes, 1).bit_length() - 1))
@@ -385,7 +387,7 @@ def _segment_partials(
     length = latent_cache.shape[1]
     segments = pl.cdiv(length, SEGMENT)
     rows = query_rows(heads)
-    group = nodes_per_program(heads, n, b, segments)
+    group = nodes_per_program(heads, n, b, length)
     groups = pl.cdiv(n, group)
     if segments * b * groups * rows * value_dim >= 2**31:  # Pallas-Triton addresses a buffer with int32 offsets
         raise ValueError(f"{segments} x {b} x {groups} partials of {rows} x {value_dim}: more than int32 offsets reach")

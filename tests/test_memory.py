@@ -183,7 +183,7 @@ def test_exact_partials_bound_the_kernels(batch: int, tokens: int, cap: int) -> 
     acc, maxes, sums, _ = jax.eval_shape(lambda *a: run(*a, tree_mask=None), q, cache, prefix)
     want = sum(x.size * 4 for x in (acc, maxes, sums))
     bound = mla_exact.partial_bytes(batch, tokens, cap, heads, cfg.kv_lora_rank)
-    packed = mla_exact.nodes_per_program(heads, tokens, batch, math.ceil(cap / mla_exact.SEGMENT)) > 1
+    packed = mla_exact.nodes_per_program(heads, tokens, batch, cap) > 1
     assert packed == (batch == 8)
     assert bound > want if packed else bound == want
 

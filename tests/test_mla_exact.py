@@ -176,10 +176,10 @@ def test_packing_nodes_changes_no_bit(monkeypatch, heads, n, prefix, causal, dty
     cache = jnp.asarray(rng.standard_normal((b, length, dk)), dtype)
     mask = None if causal else jnp.asarray(np.stack([random_tree_mask(rng, n) for _ in range(b)]))
     args = (q, cache, jnp.asarray(prefix, jnp.int32), mask, w_uv(dtype, dv, heads), SCALE, dv)
-    assert mla_exact.nodes_per_program(heads, n, b, 2) > 1
+    assert mla_exact.nodes_per_program(heads, n, b, length) > 1
     packed = np.asarray(mla_output_exact(*args, causal=causal, interpret=INTERPRET))
-    monkeypatch.setattr(mla_exact, "PACK_MIN_PROGRAMS", b * n * 2 + 1)
-    assert mla_exact.nodes_per_program(heads, n, b, 2) == 1
+    monkeypatch.setattr(mla_exact, "PACK_MIN_PROGRAMS", b * n * 2 + 1)  # 2 segments
+    assert mla_exact.nodes_per_program(heads, n, b, length) == 1
     jax.clear_caches()  # trace again, one node a program
     single = np.asarray(mla_output_exact(*args, causal=causal, interpret=INTERPRET))
     jax.clear_caches()  # no unpacked trace outlives the test's threshold
@@ -187,13 +187,13 @@ def test_packing_nodes_changes_no_bit(monkeypatch, heads, n, prefix, causal, dty
 
 
 def test_nodes_are_packed_only_in_calls_with_a_long_prefix_that_fill_the_gpu(monkeypatch):
-    """A verify of 17 nodes of 4 heads over 5 segments (context 1024) packs 4 nodes a program at 8 rows, none at 1;
-    over one segment (context 60), none at 32 rows."""
+    """A verify of 17 nodes of 4 heads over 1088 slots, 5 segments (context 1024), packs 4 nodes a program at 8 rows,
+    none at 1; over one segment (context 60), none at 32 rows."""
     for name, value in SHIPPED_PACKING.items():
         monkeypatch.setattr(mla_exact, name, value)
-    assert [mla_exact.nodes_per_program(4, 17, b, 5) for b in (1, 8)] == [1, 4]
-    assert mla_exact.nodes_per_program(4, 17, 32, 1) == 1
-    assert mla_exact.nodes_per_program(3, 17, 8, 5) == 1  # 3 heads do not divide the rows
+    assert [mla_exact.nodes_per_program(4, 17, b, 1088) for b in (1, 8)] == [1, 4]
+    assert mla_exact.nodes_per_program(4, 17, 32, 256) == 1
+    assert mla_exact.nodes_per_program(3, 17, 8, 1088) == 1  # 3 heads do not divide the rows
 
 
 @pytest.mark.parametrize("heads", [2, 3, 8, 16])

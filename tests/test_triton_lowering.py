@@ -54,8 +54,8 @@ def test_exact_mla_kernels_lower(nodes, length, causal, heads):
     heads; 8, one rank's of eight, two nodes to a program over 5 segments; 4, four): the segment kernel, then the
     merge inside the W_UV product, for a one-segment cache and a 5-segment one (the last partial), a tree block and a
     causal one, at 8 rows."""
-    segments = -(-length // mla_exact.SEGMENT)
-    assert (mla_exact.nodes_per_program(heads, nodes, 8, segments) > 1) == (heads < 64 and segments > 1)
+    packs = mla_exact.nodes_per_program(heads, nodes, 8, length) > 1
+    assert packs == (heads < 64 and length > mla_exact.SEGMENT)
     fn = lambda q, cache, prefix, mask, w: mla_output_exact(q, cache, prefix, mask, w, 0.1, 512, causal=causal)
     text = lower_for_h200(fn, *abstract_inputs(8, nodes, heads, length), spec((heads, 128, 512), jnp.bfloat16))
     assert re.findall(r'name = "(mla_\w*)"', text) == ["mla_attention_exact", "mla_exact_merged_w_uv"]
