@@ -10,13 +10,21 @@ request i is cut `i * 7 % 23` tokens short of it, so every batch mixes lengths) 
 that size. Every request's tokens are compared with its own `ar` tokens at batch 1 under the same switch:
 `rows_differ` per cell (the claim: 0 everywhere with the switch on). `tokens_per_s`: tokens generated / summed
 execution seconds of the cell's calls after one warm-up call (compilation excluded); `vs_off` (switch-on rows):
-the cell's tokens_per_s over the same cell's with the switch off, measured in this run in either order. Writes
-<out_dir>/<name>.json and .md (`--name`, default exact_check).
+the cell's tokens_per_s over the same cell's with the switch off, measured in this run in either order.
+
+tokens/s is the product of two things, split out: `tokens_per_round` (tokens committed per row and round, i.e. the
+acceptance along the text the cell generated) and `round_ms` (execution ms per program round: the cell's seconds
+over its calls' rounds, a call's rounds being its longest row's; prefill shared pro rata). `round_vs_off` is off's
+round_ms over on's, the switch's cost per round of the same program shape; `accept_vs_off` on's tokens_per_round
+over off's. Without the switch most speculative rows generate other text than ar (rows_differ), so their acceptance
+differs too: at batch 1, vs_off = accept_vs_off x round_vs_off. Writes <out_dir>/<name>.json and .md (`--name`,
+default exact_check).
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from absl import flags
@@ -42,7 +50,7 @@ flags.DEFINE_string("out_dir", "", "results directory (default experiments/resul
 flags.DEFINE_string("name", "exact_check", "record name: <out_dir>/<name>.json and .md")
 
 COLUMNS = ["exact", "context", "batch", "method", "budget", "rows_differ", "first_divergence", "tokens_per_s"]
-COLUMNS += ["vs_off"]
+COLUMNS += ["vs_off", "tokens_per_round", "round_ms", "accept_vs_off", "round_vs_off"]
 
 
 def requests(gen, context: int) -> list[list[int]]:
@@ -62,17 +70,27 @@ def first_divergence(ref: list[list[int]], out: list[list[int]]) -> int | None:
     return min(found) if found else None
 
 
-def run_cell(gen, rows: list[list[int]], batch: int, kw: dict) -> tuple[list[list[int]], float]:
-    """(tokens per request, tokens/s over the execution time) of the requests run `batch` at a time, after one
-    warm-up call."""
+class Rates(NamedTuple):
+    """A cell's speed: tokens/s, tokens committed per row and round, execution ms per program round."""
+
+    tokens_per_s: float
+    tokens_per_round: float
+    round_ms: float
+
+
+def run_cell(gen, rows: list[list[int]], batch: int, kw: dict) -> tuple[list[list[int]], Rates]:
+    """(tokens per request, the cell's Rates over the execution time) of the requests run `batch` at a time, after
+    one warm-up call."""
     gen.generate(rows[:batch], **kw)
-    tokens, wall, generated = [], 0.0, 0
+    tokens, wall, generated, row_rounds, program_rounds = [], 0.0, 0, 0, 0
     for i in range(0, len(rows), batch):
         res = gen.generate(rows[i : i + batch], **kw)
         tokens += res.tokens
         wall += res.wall_s
         generated += sum(len(t) for t in res.tokens)
-    return tokens, generated / wall
+        row_rounds += sum(s["rounds"] for s in res.stats)
+        program_rounds += res.batch_rounds
+    return tokens, Rates(generated / wall, generated / row_rounds, 1e3 * wall / program_rounds)
 
 
 def main(_) -> None:
@@ -120,8 +138,12 @@ def main(_) -> None:
                     "budget": budget,
                     "rows_differ": differ,
                     "first_divergence": first_divergence(reference, tokens),
-                    "tokens_per_s": rate[mode, *cell],
+                    "tokens_per_s": rate[mode, *cell].tokens_per_s,
                     "vs_off": None,
+                    "tokens_per_round": rate[mode, *cell].tokens_per_round,
+                    "round_ms": rate[mode, *cell].round_ms,
+                    "accept_vs_off": None,
+                    "round_vs_off": None,
                     "requests": len(rows),
                     "max_new_tokens": FLAGS.max_new_tokens,
                     "dtype": FLAGS.dtype,
@@ -132,7 +154,10 @@ def main(_) -> None:
             )
             for r in records:  # either order of the modes: filled in once both sides of a cell ran
                 on, off = (rate.get((m, r["context"], r["batch"], r["method"], r["budget"])) for m in ("on", "off"))
-                r["vs_off"] = on / off if r["exact"] == "on" and on and off else None
+                if r["exact"] == "on" and on and off:
+                    r["vs_off"] = on.tokens_per_s / off.tokens_per_s
+                    r["accept_vs_off"] = on.tokens_per_round / off.tokens_per_round
+                    r["round_vs_off"] = off.round_ms / on.round_ms
             common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None)
     print(common.markdown_table(records, COLUMNS))
 

@@ -297,8 +297,9 @@ def exact_section(d: Path) -> list[str]:
 
 
 def cost_table(recs: list[dict]) -> list[str]:
-    """exact_check's cells measured on both sides of the switch: tokens/s with it, the ratio to without, and the
-    rows that differ from batch-1 AR on each side."""
+    """exact_check's cells measured on both sides of the switch: tokens/s with it, the ratio to without and its two
+    factors where the record has them (acceptance on over off, round time off over on), and the rows that differ
+    from batch-1 AR on each side."""
 
     def cell(r: dict) -> tuple:
         return r["context"], r["batch"], r["method"], r["budget"]
@@ -306,7 +307,8 @@ def cost_table(recs: list[dict]) -> list[str]:
     off = {cell(r): r for r in recs if r["exact"] == "off"}
     on = [r for r in recs if r["exact"] == "on" and r["vs_off"] is not None and cell(r) in off]
     rows = [{**r, "rows_differ_off": off[cell(r)]["rows_differ"]} for r in on]
-    cols = ["context", "batch", "method", "budget", "tokens_per_s", "vs_off", "rows_differ", "rows_differ_off"]
+    cols = ["context", "batch", "method", "budget", "tokens_per_s", "vs_off", "accept_vs_off", "round_vs_off"]
+    cols += ["rows_differ", "rows_differ_off"]
     return [common.markdown_table(rows, cols)] if rows else []
 
 
