@@ -138,10 +138,8 @@ def main(_) -> None:
                     "budget": budget,
                     "rows_differ": differ,
                     "first_divergence": first_divergence(reference, tokens),
-                    "tokens_per_s": rate[mode, *cell].tokens_per_s,
+                    **rate[mode, *cell]._asdict(),  # tokens_per_s, tokens_per_round, round_ms
                     "vs_off": None,
-                    "tokens_per_round": rate[mode, *cell].tokens_per_round,
-                    "round_ms": rate[mode, *cell].round_ms,
                     "accept_vs_off": None,
                     "round_vs_off": None,
                     "requests": len(rows),
