@@ -17,8 +17,11 @@ acceptance along the text the cell generated) and `round_ms` (execution ms per p
 over its calls' rounds, a call's rounds being its longest row's; prefill shared pro rata). `round_vs_off` is off's
 round_ms over on's, the switch's cost per round of the same program shape; `accept_vs_off` on's tokens_per_round
 over off's. Without the switch most speculative rows generate other text than ar (rows_differ), so their acceptance
-differs too: at batch 1, vs_off = accept_vs_off x round_vs_off. Writes <out_dir>/<name>.json and .md (`--name`,
-default exact_check).
+differs too: at batch 1, vs_off = accept_vs_off x round_vs_off. `same_text_rows` counts the requests that generate the
+same tokens on both sides of the switch, and `accept_same_text_vs_off` is on's tokens per round over off's on those
+requests alone (each request's own rounds): the switch's effect on acceptance along one text (the drafter reading
+the exact path's features), apart from the text. Writes <out_dir>/<name>.json and .md (`--name`, default
+exact_check).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ flags.DEFINE_string("out_dir", "", "results directory (default experiments/resul
 flags.DEFINE_string("name", "exact_check", "record name: <out_dir>/<name>.json and .md")
 
 COLUMNS = ["exact", "context", "batch", "method", "budget", "rows_differ", "first_divergence", "tokens_per_s"]
-COLUMNS += ["vs_off", "tokens_per_round", "round_ms", "accept_vs_off", "round_vs_off"]
+COLUMNS += ["vs_off", "tokens_per_round", "round_ms", "accept_vs_off", "round_vs_off", "same_text_rows"]
+COLUMNS += ["accept_same_text_vs_off"]
 
 
 def requests(gen, context: int) -> list[list[int]]:
@@ -78,19 +82,35 @@ class Rates(NamedTuple):
     round_ms: float
 
 
-def run_cell(gen, rows: list[list[int]], batch: int, kw: dict) -> tuple[list[list[int]], Rates]:
-    """(tokens per request, the cell's Rates over the execution time) of the requests run `batch` at a time, after
-    one warm-up call."""
+class Outputs(NamedTuple):
+    """A cell's requests: the tokens each generated and the rounds each took."""
+
+    tokens: list[list[int]]
+    rounds: list[int]
+
+
+def run_cell(gen, rows: list[list[int]], batch: int, kw: dict) -> tuple[Outputs, Rates]:
+    """(each request's tokens and rounds, the cell's Rates over the execution time) of the requests run `batch` at a
+    time, after one warm-up call."""
     gen.generate(rows[:batch], **kw)
-    tokens, wall, generated, row_rounds, program_rounds = [], 0.0, 0, 0, 0
+    out, wall, program_rounds = Outputs([], []), 0.0, 0
     for i in range(0, len(rows), batch):
         res = gen.generate(rows[i : i + batch], **kw)
-        tokens += res.tokens
+        out.tokens.extend(res.tokens)
+        out.rounds.extend(s["rounds"] for s in res.stats)
         wall += res.wall_s
-        generated += sum(len(t) for t in res.tokens)
-        row_rounds += sum(s["rounds"] for s in res.stats)
         program_rounds += res.batch_rounds
-    return tokens, Rates(generated / wall, generated / row_rounds, 1e3 * wall / program_rounds)
+    generated = sum(len(t) for t in out.tokens)
+    return out, Rates(generated / wall, generated / sum(out.rounds), 1e3 * wall / program_rounds)
+
+
+def same_text(on: Outputs, off: Outputs) -> tuple[int, float | None]:
+    """(requests whose tokens are the same on both sides, on's tokens per round over off's on those requests; None
+    where there are none)."""
+    same = [i for i, (a, b) in enumerate(zip(on.tokens, off.tokens, strict=True)) if a == b]
+    if not same:
+        return 0, None
+    return len(same), sum(off.rounds[i] for i in same) / sum(on.rounds[i] for i in same)
 
 
 def main(_) -> None:
@@ -110,7 +130,7 @@ def main(_) -> None:
         for m, b in methods
     }
     meta = common.metadata()
-    records, rate = [], {}
+    records, rate, outputs = [], {}, {}
     for mode in FLAGS.exact_modes:
         gen.exact = modes[mode]
         specs = [
@@ -125,7 +145,8 @@ def main(_) -> None:
         cells = [(c, b, mb) for c in contexts for b in batches for mb in methods]
         for context, batch, (method, budget) in tqdm(cells, desc=f"exact={mode}"):
             rows, cell = contexts[context], (context, batch, method, budget)
-            tokens, rate[mode, *cell] = run_cell(gen, rows, batch, kws[method, budget])
+            outputs[mode, *cell], rate[mode, *cell] = run_cell(gen, rows, batch, kws[method, budget])
+            tokens = outputs[mode, *cell].tokens
             if (method, batch) == ("ar", 1):
                 reference = tokens
             differ = sum(a != b for a, b in zip(reference, tokens, strict=True))
@@ -142,6 +163,8 @@ def main(_) -> None:
                     "vs_off": None,
                     "accept_vs_off": None,
                     "round_vs_off": None,
+                    "same_text_rows": None,
+                    "accept_same_text_vs_off": None,
                     "requests": len(rows),
                     "max_new_tokens": FLAGS.max_new_tokens,
                     "dtype": FLAGS.dtype,
@@ -151,11 +174,15 @@ def main(_) -> None:
                 }
             )
             for r in records:  # either order of the modes: filled in once both sides of a cell ran
-                on, off = (rate.get((m, r["context"], r["batch"], r["method"], r["budget"])) for m in ("on", "off"))
+                key = (r["context"], r["batch"], r["method"], r["budget"])
+                on, off = (rate.get((m, *key)) for m in ("on", "off"))
                 if r["exact"] == "on" and on and off:
                     r["vs_off"] = on.tokens_per_s / off.tokens_per_s
                     r["accept_vs_off"] = on.tokens_per_round / off.tokens_per_round
                     r["round_vs_off"] = off.round_ms / on.round_ms
+                    r["same_text_rows"], r["accept_same_text_vs_off"] = same_text(
+                        outputs["on", *key], outputs["off", *key]
+                    )
             common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None)
     print(common.markdown_table(records, COLUMNS))
 

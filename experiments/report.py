@@ -298,8 +298,9 @@ def exact_section(d: Path) -> list[str]:
 
 def cost_table(recs: list[dict]) -> list[str]:
     """exact_check's cells measured on both sides of the switch: tokens/s with it, the ratio to without and its two
-    factors where the record has them (acceptance on over off, round time off over on), and the rows that differ
-    from batch-1 AR on each side."""
+    factors where the record has them (acceptance on over off, round time off over on), acceptance on over off on the
+    requests that generate the same text on both sides (and their count), and the rows that differ from batch-1 AR on
+    each side."""
 
     def cell(r: dict) -> tuple:
         return r["context"], r["batch"], r["method"], r["budget"]
@@ -308,7 +309,7 @@ def cost_table(recs: list[dict]) -> list[str]:
     on = [r for r in recs if r["exact"] == "on" and r["vs_off"] is not None and cell(r) in off]
     rows = [{**r, "rows_differ_off": off[cell(r)]["rows_differ"]} for r in on]
     cols = ["context", "batch", "method", "budget", "tokens_per_s", "vs_off", "accept_vs_off", "round_vs_off"]
-    cols += ["rows_differ", "rows_differ_off"]
+    cols += ["same_text_rows", "accept_same_text_vs_off", "rows_differ", "rows_differ_off"]
     return [common.markdown_table(rows, cols)] if rows else []
 
 

@@ -113,7 +113,8 @@ def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
     exact = [cell | {"method": m, "speedup": 1.0, "correct": m == "ar"} for m in ("ar", "dflash")]
     check = [{"exact": "on", "batch": 1, "method": "ar", "budget": 1, "context": 60, "rows_differ": 0, "vs_off": 0.92}]
     check.append(check[0] | {"method": "dflash", "budget": 7, "vs_off": None})  # its run without the switch cut short
-    cost = [check[0] | {"vs_off": 1.04, "accept_vs_off": 0.98, "round_vs_off": 1.061}]
+    cost = [check[0] | {"vs_off": 1.04, "accept_vs_off": 0.98, "round_vs_off": 1.061, "same_text_rows": 19}]
+    cost[0] |= {"accept_same_text_vs_off": 0.995}
     cost.append(check[0] | {"exact": "off", "rows_differ": 13, "vs_off": None})
     runs = [("sweep_concurrency_auto_repeat", auto), ("sweep_budget_exact", exact), ("exact_check", check)]
     for name, recs in [*runs, ("exact_check_cost_ctx60", cost)]:
@@ -129,7 +130,8 @@ def test_report_reads_the_tagged_auto_and_exact_sweeps(tmp_path):
     assert "| ddtree | 8 | 64 | 60 | 4.6 | 5 | 0.92 | abc 2026-12-06 |" in report  # the fixed rows at 32+ rows
     assert "1 of 2 cells give every row AR's tokens" in report and "ar b1 ctx 60 0.92" in report
     assert "2 of 2 cells with no row differing" in report and "dflash b7" not in report
-    assert "`exact_check_cost_ctx60`" in report and "| 60 | 1 | ar | 1 |  | 1.04 | 0.98 | 1.061 | 0 | 13 |" in report
+    assert "`exact_check_cost_ctx60`" in report
+    assert "| 60 | 1 | ar | 1 |  | 1.04 | 0.98 | 1.061 | 19 | 0.995 | 0 | 13 |" in report
     assert "| method | budget | rows | context | seg 128 | seg 256 |" in report
     assert "| ar | 1 | 1 | 1024 | 0.4 | 0.3 |" in report and "| ar | 1 | 32 | 1024 |  | 0.5 |" in report
 
