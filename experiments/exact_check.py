@@ -130,7 +130,7 @@ def main(_) -> None:
         for m, b in methods
     }
     meta = common.metadata()
-    records, rate, outputs = [], {}, {}
+    records, runs, on_records = [], {}, {}
     for mode in FLAGS.exact_modes:
         gen.exact = modes[mode]
         specs = [
@@ -145,44 +145,42 @@ def main(_) -> None:
         cells = [(c, b, mb) for c in contexts for b in batches for mb in methods]
         for context, batch, (method, budget) in tqdm(cells, desc=f"exact={mode}"):
             rows, cell = contexts[context], (context, batch, method, budget)
-            outputs[mode, *cell], rate[mode, *cell] = run_cell(gen, rows, batch, kws[method, budget])
-            tokens = outputs[mode, *cell].tokens
+            out, rates = runs[mode, *cell] = run_cell(gen, rows, batch, kws[method, budget])
+            tokens = out.tokens
             if (method, batch) == ("ar", 1):
                 reference = tokens
             differ = sum(a != b for a, b in zip(reference, tokens, strict=True))
-            records.append(
-                {
-                    "exact": mode,
-                    "context": context,
-                    "batch": batch,
-                    "method": method,
-                    "budget": budget,
-                    "rows_differ": differ,
-                    "first_divergence": first_divergence(reference, tokens),
-                    **rate[mode, *cell]._asdict(),  # tokens_per_s, tokens_per_round, round_ms
-                    "vs_off": None,
-                    "accept_vs_off": None,
-                    "round_vs_off": None,
-                    "same_text_rows": None,
-                    "accept_same_text_vs_off": None,
-                    "requests": len(rows),
-                    "max_new_tokens": FLAGS.max_new_tokens,
-                    "dtype": FLAGS.dtype,
-                    "target": FLAGS.target,
-                    "drafter": FLAGS.drafter,
-                    **meta,
-                }
-            )
-            for r in records:  # either order of the modes: filled in once both sides of a cell ran
-                key = (r["context"], r["batch"], r["method"], r["budget"])
-                on, off = (rate.get((m, *key)) for m in ("on", "off"))
-                if r["exact"] == "on" and on and off:
-                    r["vs_off"] = on.tokens_per_s / off.tokens_per_s
-                    r["accept_vs_off"] = on.tokens_per_round / off.tokens_per_round
-                    r["round_vs_off"] = off.round_ms / on.round_ms
-                    r["same_text_rows"], r["accept_same_text_vs_off"] = same_text(
-                        outputs["on", *key], outputs["off", *key]
-                    )
+            record = {
+                "exact": mode,
+                "context": context,
+                "batch": batch,
+                "method": method,
+                "budget": budget,
+                "rows_differ": differ,
+                "first_divergence": first_divergence(reference, tokens),
+                **rates._asdict(),  # tokens_per_s, tokens_per_round, round_ms
+                "vs_off": None,
+                "accept_vs_off": None,
+                "round_vs_off": None,
+                "same_text_rows": None,
+                "accept_same_text_vs_off": None,
+                "requests": len(rows),
+                "max_new_tokens": FLAGS.max_new_tokens,
+                "dtype": FLAGS.dtype,
+                "target": FLAGS.target,
+                "drafter": FLAGS.drafter,
+                **meta,
+            }
+            records.append(record)
+            if mode == "on":
+                on_records[cell] = record
+            if ("on", *cell) in runs and ("off", *cell) in runs:  # either order of the modes: once both ran
+                (on_out, on), (off_out, off) = runs["on", *cell], runs["off", *cell]
+                r = on_records[cell]
+                r["vs_off"] = on.tokens_per_s / off.tokens_per_s
+                r["accept_vs_off"] = on.tokens_per_round / off.tokens_per_round
+                r["round_vs_off"] = off.round_ms / on.round_ms
+                r["same_text_rows"], r["accept_same_text_vs_off"] = same_text(on_out, off_out)
             common.write_results(FLAGS.name, records, COLUMNS, FLAGS.out_dir or None)
     print(common.markdown_table(records, COLUMNS))
 
