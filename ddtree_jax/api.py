@@ -41,16 +41,19 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def resolve_exact(exact: bool | None, mesh: Mesh | None) -> bool:
-    """Whether programs run the exact (batch- and tree-invariant) numerics: `exact`; None, the default: off (their
-    GPU check and cost are in docs/exactness.md; a CPU runs float32 by default, exact there without them). They do
-    not cover a device mesh yet, so exact=True with one is a `UserError`."""
+def resolve_exact(exact: bool | None, mesh: Mesh | None, dtype) -> bool:
+    """Whether programs run the exact (batch- and tree-invariant) numerics: `exact`; None, the default: on for
+    bfloat16 on one GPU (no mesh), where their cost at batch 1 is within 10% (docs/exactness.md), else off: a CPU
+    runs float32 by default, exact there without them, and they do not cover a device mesh yet, so exact=True with
+    one is a `UserError`."""
     if exact and mesh is not None:
         raise UserError(
             "the exact numerics do not cover a device mesh yet (GSPMD cannot split their kernels): run on one device, "
             "or without --exact"
         )
-    return bool(exact)
+    if exact is None:
+        return mesh is None and jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16
+    return exact
 
 
 def padded_prompt_len(longest: int) -> int:
@@ -127,7 +130,7 @@ class Generator:
                 sharding.shard_model(drafter, self.mesh)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.trained_context = trained_context
-        self.exact = resolve_exact(exact, self.mesh)
+        self.exact = resolve_exact(exact, self.mesh, target.dtype)
         self._compiled: dict[engine.GenSpec, tuple] = {}  # spec (kernel selection included) -> program and states
         self.compile_seconds: dict[engine.GenSpec, float] = {}  # per program, however it was compiled
         self.use_calibration(calibration)
@@ -181,7 +184,7 @@ class Generator:
 
         target_dir, drafter_dir = resolve_checkpoint(target_dir), drafter_dir and resolve_checkpoint(drafter_dir)
         mesh = sharding.resolve_mesh(mesh)
-        exact = resolve_exact(exact, mesh)  # refused before any weight is read
+        exact = resolve_exact(exact, mesh, dtype)  # refused before any weight is read
         beside = Path(drafter_dir or "") / cost_table.FILE_NAME
         table = beside if drafter_dir is not None and beside.is_file() else None
         if calibration is not None:

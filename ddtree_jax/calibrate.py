@@ -48,7 +48,9 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("mesh", None, "Device mesh, as for ddtree-generate (default: all local devices on expert).")
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "Threads compiling the programs up front.")
-flags.DEFINE_bool("exact", None, "Measure the exact-numerics programs (as ddtree-generate --exact; default: off).")
+flags.DEFINE_bool(
+    "exact", None, "Measure the exact-numerics programs (as ddtree-generate --exact; default: as ddtree-generate's)."
+)
 flags.DEFINE_bool("overwrite", False, "Replace an existing table.")
 flags.mark_flags_as_required(["target", "drafter", "prompts"])
 
@@ -134,10 +136,12 @@ def main(argv: Sequence[str]) -> None:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.api import Generator, default_dtype, padded_prompt_len
+    from ddtree_jax.api import Generator, default_dtype, padded_prompt_len, resolve_exact
     from ddtree_jax.calibration import measure
+    from ddtree_jax.sharding import resolve_mesh
 
     dtype = default_dtype() if FLAGS.dtype == "auto" else jnp.dtype(FLAGS.dtype)
+    exact = resolve_exact(FLAGS.exact, resolve_mesh(FLAGS.mesh), dtype)
     heaviest = cost_table.largest(candidates, drafter_cfg.num_draft)
     memory.check_fits(
         target_cfg,
@@ -150,9 +154,9 @@ def main(argv: Sequence[str]) -> None:
         budget=heaviest.spec_budget,
         layout=memory.Layout.from_spec(FLAGS.mesh, jax.device_count()),
         dtype_bytes=jnp.dtype(dtype).itemsize,
-        exact=bool(FLAGS.exact),
+        exact=exact,
     )
-    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh, exact=FLAGS.exact)
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=dtype, mesh=FLAGS.mesh, exact=exact)
     table = measure(
         gen,
         prompts,

@@ -88,7 +88,7 @@ flags.DEFINE_bool(
     "exact",
     None,
     "Batch- and tree-invariant numerics: speculative output equals --method=ar's bit for bit whatever the batch "
-    "(docs/exactness.md). Default: off; not with a device mesh.",
+    "(docs/exactness.md). Default: on in bfloat16 on one GPU, else off; not with a device mesh.",
 )
 flags.DEFINE_bool("ignore_eos", False, "Generate past the model's EOS tokens (not past --stop_token_ids).")
 flags.DEFINE_integer("seed", 0, "Sampling seed; a request's samples depend only on (seed, its index in --prompts).")
@@ -286,7 +286,7 @@ def main(argv: Sequence[str]) -> None:
     dtype = default_dtype() if FLAGS.dtype == "auto" else jnp.dtype(FLAGS.dtype)
     method, budget = "ar" if FLAGS.method == "auto" else FLAGS.method, FLAGS.budget  # auto without a drafter: ar
     mesh = resolve_mesh(FLAGS.mesh)
-    exact = resolve_exact(FLAGS.exact, mesh)
+    exact = resolve_exact(FLAGS.exact, mesh, dtype)
     if table is not None:
         table.check(**device_identity(mesh, dtype, exact))
         heaviest = cost_table.largest(table.candidates, drafter_cfg.num_draft)  # auto may run any candidate

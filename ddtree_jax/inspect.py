@@ -14,8 +14,8 @@ auto is `ar`.
 
 "machine" (--machine, the default) describes this machine's devices and whether that plan (or, without
 --batch_size/--max_len, batch 1 at a context of min(8192, the model's)) fits them, with the --mesh and the
-XLA_PYTHON_CLIENT_MEM_FRACTION it needs (`ddtree_jax.machine.advise`). --exact plans the exact numerics' programs
-(one device, no --mesh).
+XLA_PYTHON_CLIENT_MEM_FRACTION it needs (`ddtree_jax.machine.advise`). The plan is for the exact numerics' programs
+where ddtree-generate runs them by default on this machine (one GPU, no --mesh); --exact / --noexact choose.
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ flags.DEFINE_enum(
 flags.DEFINE_integer("budget", engine.DEFAULT_BUDGET, "DDTree node budget of the plan (--method=ddtree).")
 flags.DEFINE_string("mesh", None, 'Mesh of the plan, e.g. "expert=8"; default: one device.')
 flags.DEFINE_bool(
-    "exact", False, "Plan for the exact numerics (ddtree-generate --exact, one device): their prefill and MLA partials."
+    "exact",
+    None,
+    "Plan for the exact numerics (one device): their prefill and MLA partials. Default: as ddtree-generate runs on "
+    "this machine (on for one GPU without --mesh; off on a CPU).",
 )
 flags.DEFINE_float("device_gb", None, "Free memory per device (GB) to check the plan against.")
 flags.DEFINE_bool("machine", True, "Check the plan against this machine's devices (count, kind, memory).")
@@ -66,6 +69,16 @@ class Planned(NamedTuple):
     method: str
     budget: int
     note: str | None
+
+
+def planned_exact() -> bool:
+    """Whether the plan is for the exact numerics: --exact, else what ddtree-generate runs here by default (on for
+    one GPU without --mesh, in its default bf16; off on a CPU or with a mesh)."""
+    if FLAGS.exact is not None:
+        return FLAGS.exact
+    import jax
+
+    return not FLAGS.mesh and jax.default_backend() == "gpu"
 
 
 def check_method() -> None:
@@ -102,7 +115,7 @@ def memory_report(target: KimiConfig, drafter: DFlashConfig | None, program: Pla
         "method": program.method,
         "budget": program.budget,
         "layout": memory.Layout.from_spec(FLAGS.mesh) if FLAGS.mesh else memory.Layout(),
-        "exact": FLAGS.exact,
+        "exact": planned_exact(),
     }
     p = memory.plan(target, drafter, batch=FLAGS.batch_size, max_len=FLAGS.max_len, prompt_len=FLAGS.prompt_len, **kw)
     report = p.to_dict()
@@ -126,7 +139,7 @@ def machine_report(target: KimiConfig, drafter: DFlashConfig | None, program: Pl
     was asked for."""
     max_len = FLAGS.max_len or min(MACHINE_CONTEXT, target.max_position_embeddings)
     run = {"batch": FLAGS.batch_size or 1, "max_len": max_len, "prompt_len": FLAGS.prompt_len}
-    run |= {"method": program.method, "budget": program.budget, "exact": FLAGS.exact}
+    run |= {"method": program.method, "budget": program.budget, "exact": planned_exact()}
     return machine.report(machine.local_devices(), target, drafter, mesh=FLAGS.mesh, **run)
 
 

@@ -13,8 +13,9 @@ import pytest
 from conftest import tiny_dflash_config, tiny_kimi_config
 from flax import nnx
 
-from ddtree_jax import engine
+from ddtree_jax import api, engine
 from ddtree_jax.api import Generator
+from ddtree_jax.errors import UserError
 from ddtree_jax.models.dflash import DFlashDrafter
 from ddtree_jax.models.kimi import KimiForCausalLM
 from experiments.invariance import chain_tree, decode_steps, prefilled, run_block
@@ -80,3 +81,23 @@ def test_exact_prefill_passes_bound_the_batchs_tokens():
     chunk = {b: engine.prefill_chunk(engine.GenSpec("ar", b, 1024, 8, kernels=exact)) for b in (1, 8, 32, 128)}
     assert chunk == {1: 512, 8: 512, 32: 128, 128: 64}
     assert engine.prefill_chunk(engine.GenSpec("ar", 128, 1024, 8, kernels=INTERPRET)) == 512
+
+
+@pytest.mark.parametrize(
+    "backend,mesh,dtype,want",
+    [
+        ("gpu", None, jnp.bfloat16, True),  # the default where its batch-1 cost is within 10%
+        ("gpu", None, jnp.float32, False),
+        ("gpu", "a mesh", jnp.bfloat16, False),  # not covered with a mesh: off by default, not refused
+        ("cpu", None, jnp.bfloat16, False),  # a CPU runs float32 by default, exact there without the kernels
+    ],
+)
+def test_exact_defaults_on_for_bf16_on_one_gpu_only(monkeypatch, backend, mesh, dtype, want) -> None:
+    monkeypatch.setattr(api.jax, "default_backend", lambda: backend)
+    assert api.resolve_exact(None, mesh, dtype) is want
+    assert api.resolve_exact(False, None, dtype) is False
+
+
+def test_exact_asked_with_a_mesh_is_refused() -> None:
+    with pytest.raises(UserError, match="the exact numerics do not cover a device mesh yet"):
+        api.resolve_exact(True, "a mesh", jnp.bfloat16)
