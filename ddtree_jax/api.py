@@ -53,7 +53,7 @@ def resolve_exact(exact: bool | None, mesh: Mesh | None, dtype) -> bool:
         )
     if exact is None:
         return mesh is None and jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16
-    return exact
+    return bool(exact)
 
 
 def padded_prompt_len(longest: int) -> int:

@@ -73,12 +73,12 @@ class Planned(NamedTuple):
 
 def planned_exact() -> bool:
     """Whether the plan is for the exact numerics: --exact, else what ddtree-generate runs here by default (on for
-    one GPU without --mesh, in its default bf16; off on a CPU or with a mesh)."""
+    one GPU without --mesh, in its default bf16; off on a CPU, with a --mesh or on several GPUs, which get a mesh)."""
     if FLAGS.exact is not None:
         return FLAGS.exact
     import jax
 
-    return not FLAGS.mesh and jax.default_backend() == "gpu"
+    return not FLAGS.mesh and jax.default_backend() == "gpu" and jax.device_count() == 1
 
 
 def check_method() -> None:

@@ -32,6 +32,7 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per row (stop toke
 flags.DEFINE_integer("repeats", 9, "timing rounds (median)")
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling the programs up front")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
+flags.DEFINE_bool("exact", None, "the target's exact (batch- and tree-invariant) numerics; default: the product's")
 
 COLUMNS = ["method", "budget", "chunk", "tokens_per_round", "tokens_per_s", "vs_chain", "vs_lax", "identical"]
 
@@ -62,7 +63,7 @@ def main(_) -> None:
     chunks, budgets = [int(c) for c in FLAGS.chunks], [int(b) for b in FLAGS.budgets]
     if any(c < 0 for c in chunks) or any(b < 1 for b in budgets):
         raise UserError(f"--chunks must be >= 0 and --budgets >= 1, got {chunks} and {budgets}")
-    gen = Generator.load(FLAGS.target, FLAGS.drafter)
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, exact=FLAGS.exact)
     base, source = workload.load_prompts(gen, FLAGS.prompts, FLAGS.num_prompts)
     batches = [[p] for p in at_length(base, FLAGS.context, FLAGS.num_prompts)]
     depth = gen.drafter.config.num_draft
@@ -87,7 +88,7 @@ def main(_) -> None:
     lax_tps = {
         b: c["tokens_per_s"] for (m, b, chunk), c in zip(settings, cells, strict=True) if m == "ddtree" and chunk == 0
     }
-    meta, rows = common.metadata(), []
+    meta, rows = common.metadata() | {"exact": gen.exact}, []
     for (method, budget, chunk), cell in zip(settings, cells, strict=True):
         rows.append(
             {

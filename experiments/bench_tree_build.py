@@ -49,6 +49,7 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens per row (generation A/B; sto
 flags.DEFINE_integer("compile_workers", min(8, os.cpu_count() or 1), "threads compiling the generation programs")
 flags.DEFINE_enum("kernel_mode", "pallas", ["pallas", "interpret"], "how the kernel runs (interpret: CPU smoke test)")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
+flags.DEFINE_bool("exact", None, "the target's exact (batch- and tree-invariant) numerics; default: the product's")
 
 IMPLS = ("pallas", "reference")  # record columns; "pallas" runs as --kernel_mode
 
@@ -222,8 +223,8 @@ def _record(part, method, budget, batch, values: dict, identical: bool, unit: st
 def main(_) -> None:
     from ddtree_jax.api import Generator
 
-    meta = common.metadata()
-    gen = Generator.load(FLAGS.target, FLAGS.drafter)
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, exact=FLAGS.exact)
+    meta = common.metadata() | {"exact": gen.exact}
     if FLAGS.warps:
         warps = warps_records(gen, meta)
         common.write_results(

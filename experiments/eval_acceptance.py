@@ -35,6 +35,7 @@ flags.DEFINE_integer("max_new_tokens", 96, "Tokens generated per prompt (stop to
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations of both models.")
 flags.DEFINE_integer("context", 0, "Cut every prompt to this many tokens of the held-out stream (0: as written).")
 flags.DEFINE_string("out_dir", "", "Results directory (default experiments/results).")
+flags.DEFINE_bool("exact", None, "the target's exact (batch- and tree-invariant) numerics; default: the product's")
 
 COLUMNS = (
     "method", "budget", "tokens_per_round", "identical_to_ar", "rows_differing", "tokens_per_s", "compile_s", "rounds",
@@ -56,7 +57,7 @@ def main(argv: Sequence[str]) -> None:
     from experiments.common import markdown_table, write_results
     from experiments.exactness import divergence
 
-    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype))
+    gen = Generator.load(FLAGS.target, FLAGS.drafter, dtype=jnp.dtype(FLAGS.dtype), exact=FLAGS.exact)
     rows = [json.loads(line) for line in Path(FLAGS.prompts).read_text().splitlines() if line.strip()]
     check_held_out([r["id"] for r in rows], Path(FLAGS.target))
     prompts = [gen.tokenizer.encode(r["prompt"]) for r in rows]
@@ -102,6 +103,7 @@ def main(argv: Sequence[str]) -> None:
     }
     extra = {
         "dtype": FLAGS.dtype,
+        "exact": gen.exact,
         "prompts": len(prompts),
         "context": FLAGS.context or "as written",
         "max_new_tokens": FLAGS.max_new_tokens,

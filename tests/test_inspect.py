@@ -218,3 +218,31 @@ def test_cli_plans_the_exact_numerics_on_one_device():
     refused = _cli(f"--target={target}", f"--drafter={drafter}", *run, "--exact", "--mesh=expert=8")
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.strip() == "error: --exact runs on one device: drop --mesh"
+
+
+@pytest.mark.parametrize(
+    ("backend", "devices", "args", "want"),
+    [
+        ("gpu", 1, [], True),  # what ddtree-generate runs there by default in bf16
+        ("gpu", 8, [], False),  # several GPUs get a mesh, where the exact numerics are off
+        ("gpu", 1, ["--mesh=expert=1"], False),
+        ("gpu", 1, ["--noexact"], False),
+        ("cpu", 1, [], False),  # float32 there, exact without them
+        ("cpu", 1, ["--exact"], True),
+    ],
+)
+def test_the_plans_exact_default_follows_ddtree_generates(backend: str, devices: int, args: list, want: bool):
+    """`planned_exact` with the backend and device count faked (the flags parsed as the CLI parses them)."""
+    script = (
+        "import sys, jax; from absl import flags\n"
+        f"jax.default_backend = lambda: {backend!r}; jax.device_count = lambda: {devices}\n"
+        "from ddtree_jax import inspect\n"
+        "flags.FLAGS(sys.argv)\n"
+        "print(inspect.planned_exact())\n"
+    )
+    target = f"--target={RELEASED_CONFIGS / 'kimi-k2.6'}"
+    out = subprocess.run(
+        [sys.executable, "-c", script, target, *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(want)
