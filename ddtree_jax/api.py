@@ -144,7 +144,7 @@ class Generator:
         Generator's devices and dtype when auto uses it; its acceptance is where `acceptance` starts."""
         self._calibration = table
         loaded = isinstance(table, cost_table.CostTable)
-        self.acceptance = cost_table.Acceptance(table.tokens_per_round, table.acceptance_rounds) if loaded else None
+        self.acceptance = cost_table.Acceptance(table) if loaded else None
 
     @property
     def calibration(self) -> cost_table.CostTable | None:
@@ -277,7 +277,7 @@ class Generator:
                 f"(it writes {cost_table.FILE_NAME} beside the drafter), or pass calibration= or another method"
             )
         self.calibration.check(**self.device_identity())
-        return self.calibration.choose(batch, context, max_new_tokens, self.acceptance.means())
+        return self.calibration.choose(batch, context, max_new_tokens, self.acceptance.means(batch, context))
 
     def generate(
         self,
@@ -396,7 +396,7 @@ class Generator:
         total_rounds = int(rounds[:n].sum())
         if auto is not None and auto.reason == cost_table.FROM_TABLE and total_rounds:
             committed = float((hist[:n] * np.arange(hist.shape[1])).sum())
-            self.acceptance.observe(auto.candidate.name, committed, total_rounds)
+            self.acceptance.observe(auto.candidate.name, committed, total_rounds, auto.batch, auto.context)
         rate = sum(generated) / wall if wall > 0 else 0.0
         return GenerationResult(result_tokens, texts, stats, wall, compile_s, rate, batch_rounds, spec, auto)
 

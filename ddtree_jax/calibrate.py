@@ -106,7 +106,7 @@ def choices_text(table: cost_table.CostTable, max_new_tokens: int) -> str:
     """The candidate auto would choose at each grid point for runs of `max_new_tokens`, at the table's acceptance."""
 
     def chosen(b: int, c: int) -> str:
-        return table.choose(b, c, max_new_tokens, table.tokens_per_round).candidate.name
+        return table.choose(b, c, max_new_tokens, table.acceptance(b, c)).candidate.name
 
     head = "batch \\ context  " + "  ".join(f"{c:>10}" for c in table.contexts)
     rows = [f"{b:>15}  " + "  ".join(f"{chosen(b, c):>10}" for c in table.contexts) for b in table.batches]

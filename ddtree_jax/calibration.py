@@ -7,10 +7,11 @@ once), its round time (wall of a run to max_new_tokens - that wall) / the rounds
 medians of `repeats` runs. A batch runs until its slowest row is done, so the round time is longer than one loop
 iteration by the straggler's margin at that batch size, and call + rounds x round time is the batch's real time
 (`CostTable.choose`) (compilation excluded; every program is compiled up front, the candidates' runs interleaved so
-drift falls on all alike; stop tokens ignored, so every row runs max_new_tokens). Its acceptance is the tokens it
-committed per round at temperature 0 over untimed runs of at least `ACCEPTANCE_ROWS` rows per grid point (batches
-of that point's size cut further along the stream; fewer when the prompts are fewer), so that a grid of small
-batches does not rest on a handful of rows.
+drift falls on all alike; stop tokens ignored, so every row runs max_new_tokens). Its acceptance at a context is
+the tokens it committed per round at temperature 0 over untimed runs at every grid batch, at least
+`ACCEPTANCE_ROWS` rows per grid point (batches of that point's size cut further along the stream; fewer when the
+prompts are fewer), pooled over the batches: a row's acceptance follows its text and context, not the batch it
+shares, so pooling only adds rows (the table holds it at every batch of that context).
 """
 
 from __future__ import annotations
@@ -40,6 +41,18 @@ def at_length(prompts: Sequence[Sequence[int]], length: int, n: int) -> list[lis
     starts = np.cumsum([0] + [len(p) for p in prompts[:-1]])
     long = stream * (2 + length // len(stream))
     return [long[starts[i % len(prompts)] :][:length] for i in range(n)]
+
+
+def as_grid(values: np.ndarray) -> tuple[tuple[float, ...], ...]:
+    """A `[batches][contexts]` array as the table's nested tuples of floats."""
+    return tuple(tuple(float(v) for v in row) for row in values)
+
+
+def per_context(committed: np.ndarray, rounds: np.ndarray) -> np.ndarray:
+    """Tokens per round at each context `[len(contexts)]`, pooled over the batches `[len(batches), len(contexts)]`
+    (1 where no round ran)."""
+    total = rounds.sum(axis=0)
+    return np.where(total > 0, committed.sum(axis=0) / np.maximum(total, 1), 1.0)
 
 
 def measure(
@@ -77,9 +90,11 @@ def measure(
     gen.precompile(specs, compile_workers)
     round_ms = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
     call_ms = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
-    committed, rounds = dict.fromkeys(round_ms, 0.0), dict.fromkeys(round_ms, 0)
+    committed = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
+    rounds = {c.name: np.zeros((len(batches), len(contexts)), dtype=np.int64) for c in candidates}
     for (b, ctx), rows in grid.items():
         extra = at_length(prompts, ctx, b * -(-min(ACCEPTANCE_ROWS, len(prompts)) // b))[b:]  # after `rows`
+        at = batches.index(b), contexts.index(ctx)
         iterations = {}
         for name, r in runs.items():  # warm-up; the acceptance comes from these runs
             gen.generate(rows, **r[1], **settings)
@@ -87,8 +102,8 @@ def measure(
                 res = gen.generate(batch, **r[max_new_tokens], **settings)
                 if i == 0:
                     iterations[name] = sum(st["rounds"] for st in res.stats) / len(res.stats)  # the mean row's
-                committed[name] += sum(st["tokens_per_round"] * st["rounds"] for st in res.stats)
-                rounds[name] += sum(st["rounds"] for st in res.stats)
+                committed[name][at] += sum(st["tokens_per_round"] * st["rounds"] for st in res.stats)
+                rounds[name][at] += sum(st["rounds"] for st in res.stats)
         walls = {name: {n: [] for n in r} for name, r in runs.items()}
         for _ in range(repeats):
             for name, r in runs.items():
@@ -99,7 +114,6 @@ def measure(
             ms = (statistics.median(w[max_new_tokens]) - call) * 1e3 / max(iterations[name], 1.0)
             if ms < MIN_ROUND_MS:
                 logging.warning("%s at batch %d, context %d: round time %.4f ms lost in noise", name, b, ctx, ms)
-            at = batches.index(b), contexts.index(ctx)
             round_ms[name][at] = max(ms, MIN_ROUND_MS)
             call_ms[name][at] = max(call * 1e3, MIN_ROUND_MS)
             bar.set_postfix_str(f"batch {b}, context {ctx}")
@@ -112,9 +126,16 @@ def measure(
         drafter=drafter,
         batches=tuple(batches),
         contexts=tuple(contexts),
-        round_ms={n: tuple(tuple(float(v) for v in row) for row in g) for n, g in round_ms.items()},
-        call_ms={n: tuple(tuple(float(v) for v in row) for row in g) for n, g in call_ms.items()},
-        tokens_per_round={n: committed[n] / rounds[n] if rounds[n] and n != "ar" else 1.0 for n in round_ms},
-        acceptance_rounds=max(1, min((rounds[c.name] for c in candidates if c.method != "ar"), default=1)),
+        round_ms={n: as_grid(g) for n, g in round_ms.items()},
+        call_ms={n: as_grid(g) for n, g in call_ms.items()},
+        tokens_per_round={
+            c.name: as_grid(
+                np.broadcast_to(per_context(committed[c.name], rounds[c.name]), (len(batches), len(contexts)))
+            )
+            if c.method != "ar"
+            else 1.0
+            for c in candidates
+        },
+        acceptance_rounds=max(1, min((int(rounds[c.name].sum()) for c in candidates if c.method != "ar"), default=1)),
         settings={"max_new_tokens": max_new_tokens, "repeats": repeats, "kernels": repr(specs[0].kernels)},
     )

@@ -3,13 +3,15 @@
 A table holds, for each candidate program (`ar`, the DFlash chain `dflash`, DDTree at a node budget `ddtree-<b>`),
 at a grid of batch sizes x contexts (prompt tokens), measured on one machine (`ddtree-calibrate`,
 `ddtree_jax.calibration`): its round time in ms (the batch's time per round of its mean row, which includes waiting
-for the batch's slowest row) and its call time in ms (a 1-token run: the prefill, the drafter's context and what
-else a run pays once); and its acceptance: tokens committed per round (`ar`: 1), pooled over the grid's runs.
+for the batch's slowest row), its call time in ms (a 1-token run: the prefill, the drafter's context and what
+else a run pays once) and its acceptance, tokens committed per round (`ar`: 1), at each grid point: acceptance
+moves with the context, and not alike for every candidate (the shipped pair's chain commits 4.6 tokens a round at
+context 60 and 3.3 at 1888, DDTree 8 5.0 and 4.1), so one figure pooled over the grid misleads the choice.
 
 For a batch of B rows whose longest prompt has C tokens, generating N tokens, `CostTable.choose` expects each
-candidate's rate B x N / (call_ms + (N - 1) / tokens_per_round x round_ms): the times interpolated linearly in batch
-and in context between grid points, clamped at the grid's ends; tokens_per_round as `Acceptance` has it (the
-table's, scaled by how the batches served so far accepted against it). It picks the drafting candidate with the
+candidate's rate B x N / (call_ms + (N - 1) / tokens_per_round x round_ms): all three interpolated linearly in batch
+and in context between grid points, clamped at the grid's ends; tokens_per_round as `Acceptance` has it (the table's
+there, scaled by how the batches served so far accepted against the table). It picks the drafting candidate with the
 highest expected rate only when that rate beats `ar`'s by more than `AR_MARGIN` (5%), else `ar` (a table without
 `ar`: the highest rate). The table is JSON (`calibration.json`, next to the drafter by default) and names the device
 kind and count, the dtype, the exact switch, the jax version and the pair it was measured with; a table from another
@@ -22,6 +24,7 @@ import bisect
 import dataclasses
 import json
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,8 @@ from ddtree_jax.errors import UserError
 from ddtree_jax.prompts import atomic_write
 
 FILE_NAME = "calibration.json"  # the table's name beside the drafter checkpoint
-FORMAT = "ddtree-cost-table/2"
+FORMAT = "ddtree-cost-table/3"
+FORMAT_POOLED = "ddtree-cost-table/2"  # read too: one acceptance per candidate, held at every grid point
 DEFAULT_CANDIDATES = ("ar", "dflash", "ddtree-4", "ddtree-8", "ddtree-16", "ddtree-32")
 FROM_TABLE, NO_DRAFTER = "cost table", "no drafter"  # a `Choice`'s reasons
 # A drafting candidate replaces ar only when expected more than this fraction faster: a table measured over few
@@ -110,8 +114,9 @@ def _segment(grid: Sequence[int], x: float) -> tuple[int, int, float]:
 
 @dataclasses.dataclass(frozen=True)
 class CostTable:
-    """Each candidate's round and call times in ms, `[len(batches)][len(contexts)]`, and tokens per round, keyed
-    by candidate name in the order measured; and what they were measured with."""
+    """Each candidate's round and call times in ms and tokens per round, each `[len(batches)][len(contexts)]`
+    (tokens_per_round may be given as one number per candidate: the same at every grid point), keyed by candidate
+    name in the order measured; and what they were measured with."""
 
     device_kind: str  # jax's `device_kind` of the devices, e.g. "NVIDIA H200" or "cpu"
     device_count: int  # devices the programs ran on
@@ -123,8 +128,8 @@ class CostTable:
     contexts: tuple[int, ...]
     round_ms: Mapping[str, tuple[tuple[float, ...], ...]]
     call_ms: Mapping[str, tuple[tuple[float, ...], ...]]
-    tokens_per_round: Mapping[str, float]
-    acceptance_rounds: int  # the fewest rounds a drafting candidate's acceptance was measured over
+    tokens_per_round: Mapping[str, tuple[tuple[float, ...], ...]]  # or one number per candidate, when built
+    acceptance_rounds: int  # the fewest rounds a drafting candidate's acceptance was measured over, whole grid
     exact: bool = False  # the programs ran the exact numerics (`Generator(exact=)`), whose round times differ
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # how it was measured (provenance)
     source: str = dataclasses.field(default="", compare=False)  # the file it was read from; "" if measured here
@@ -137,19 +142,29 @@ class CostTable:
             raise ValueError("round_ms, call_ms and tokens_per_round must name the same candidates, at least one")
         if not isinstance(self.acceptance_rounds, int) or self.acceptance_rounds < 1:
             raise ValueError(f"acceptance_rounds must be an integer >= 1, got {self.acceptance_rounds}")
+        for kind in ("round_ms", "call_ms", "tokens_per_round"):
+            object.__setattr__(self, kind, {n: self._grid(n, kind, g) for n, g in getattr(self, kind).items()})
         for name in self.round_ms:
             Candidate.parse(name)
-            for kind, grid in (("round_ms", self.round_ms[name]), ("call_ms", self.call_ms[name])):
-                shape = [len(row) for row in grid]
-                if shape != [len(self.contexts)] * len(self.batches):
-                    raise ValueError(
-                        f"{name}: {kind} is not {len(self.batches)} batches x {len(self.contexts)} contexts"
-                    )
-                if not all(math.isfinite(v) and v > 0 for row in grid for v in row):
-                    raise ValueError(f"{name}: {kind} must be finite and > 0")
-            tpr = self.tokens_per_round[name]
-            if not (math.isfinite(tpr) and tpr >= 1) or (name == "ar" and tpr != 1):
-                raise ValueError(f"{name}: tokens per round must be >= 1 (ar: 1), got {tpr}")
+            tprs = [t for row in self.tokens_per_round[name] for t in row]
+            if any(t < 1 for t in tprs) or (name == "ar" and any(t != 1 for t in tprs)):
+                raise ValueError(f"{name}: tokens per round must be >= 1 (ar: 1), got {tprs}")
+
+    def _grid(self, name: str, kind: str, values: Any) -> tuple[tuple[float, ...], ...]:
+        """`values` as `[len(batches)][len(contexts)]` nested tuples of finite floats > 0 (one number for
+        tokens_per_round: the same at every grid point); a ValueError naming the candidate otherwise."""
+        shape = len(self.batches), len(self.contexts)
+        if kind == "tokens_per_round" and isinstance(values, numbers.Real):
+            values = [[values] * shape[1]] * shape[0]
+        try:
+            grid = tuple(tuple(float(v) for v in row) for row in values)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: {kind} is not a grid of numbers") from None
+        if [len(row) for row in grid] != [shape[1]] * shape[0]:
+            raise ValueError(f"{name}: {kind} is not {shape[0]} batches x {shape[1]} contexts")
+        if not all(math.isfinite(v) and v > 0 for row in grid for v in row):
+            raise ValueError(f"{name}: {kind} must be finite and > 0")
+        return grid
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
@@ -171,6 +186,10 @@ class CostTable:
     def call_time(self, name: str, batch: int, context: int) -> float:
         """Candidate `name`'s call time (a 1-token run) in ms at (batch, context), as `round_time` interpolates."""
         return self._at(self.call_ms, name, batch, context)
+
+    def acceptance(self, batch: int, context: int) -> dict[str, float]:
+        """Each candidate's tokens per round at (batch, context), as `round_time` interpolates."""
+        return {n: self._at(self.tokens_per_round, n, batch, context) for n in self.round_ms}
 
     def run_time(self, name: str, batch: int, context: int, max_new_tokens: int, tokens_per_round: float) -> float:
         """Expected ms of a run of `max_new_tokens`: the call, then (max_new_tokens - 1) / tokens_per_round rounds
@@ -217,11 +236,12 @@ class CostTable:
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
-        """Read a table written by `save`; a `UserError` naming the file when it is missing or malformed."""
+        """Read a table written by `save` (or in the previous format, whose one acceptance per candidate then holds
+        at every grid point); a `UserError` naming the file when it is missing or malformed."""
         p = Path(path)
         try:
             raw = json.loads(p.read_text())
-            if raw.get("format") != FORMAT:
+            if raw.get("format") not in (FORMAT, FORMAT_POOLED):
                 raise ValueError(f"not a cost table (format {raw.get('format')!r}, want {FORMAT!r})")
             cands = raw.pop("candidates")
             del raw["format"]
@@ -230,9 +250,7 @@ class CostTable:
                 | {
                     "batches": tuple(raw["batches"]),
                     "contexts": tuple(raw["contexts"]),
-                    "round_ms": {n: tuple(tuple(map(float, r)) for r in c["round_ms"]) for n, c in cands.items()},
-                    "call_ms": {n: tuple(tuple(map(float, r)) for r in c["call_ms"]) for n, c in cands.items()},
-                    "tokens_per_round": {n: float(c["tokens_per_round"]) for n, c in cands.items()},
+                    **{k: {n: c[k] for n, c in cands.items()} for k in ("round_ms", "call_ms", "tokens_per_round")},
                     "source": str(p),
                 }
             )
@@ -243,29 +261,34 @@ class CostTable:
 
 
 class Acceptance:
-    """Tokens per round as `auto` expects them: the table's, with each drafting candidate's drafted part (the tokens
-    past the one every round commits) scaled by one factor for the content served so far, the drafted tokens the
-    observed rounds committed over what the table expected of those rounds. The table counts as `prior_rounds` rounds
-    at its own acceptance, so a factor moves as the served rounds outweigh the table's. One factor for all
-    candidates: whichever ran, its rounds say how hard the prompts are for every drafting candidate alike."""
+    """Tokens per round as `auto` expects them: the table's at the batch's grid position, with each drafting
+    candidate's drafted part (the tokens past the one every round commits) scaled by one factor for the content
+    served so far, the drafted tokens the observed rounds committed over what the table expected of those rounds
+    where they ran. The table counts as `acceptance_rounds` rounds at its own mean acceptance, so the factor moves as
+    the served rounds outweigh the table's. One factor for all candidates and grid points: whichever ran, its rounds
+    say how hard the prompts are for every drafting candidate alike."""
 
-    def __init__(self, tokens_per_round: Mapping[str, float], prior_rounds: int):
-        self._table = dict(tokens_per_round)
-        drafted = [t - 1 for t in self._table.values() if t > 1]
-        prior = prior_rounds * (sum(drafted) / len(drafted) if drafted else 0.0)
+    def __init__(self, table: CostTable):
+        self._table = table
+        self._drafting = [c.name for c in table.candidates if c.method != "ar"]
+        drafted = [t - 1 for n in self._drafting for row in table.tokens_per_round[n] for t in row]
+        prior = table.acceptance_rounds * (sum(drafted) / len(drafted) if drafted else 0.0)
         self._seen = self._expected = prior  # drafted tokens: committed past one per round / the table's for them
 
-    def observe(self, name: str, committed: float, rounds: int) -> None:
-        """A batch that ran candidate `name` committed `committed` tokens in `rounds` rounds (summed over rows)."""
-        if self._table[name] > 1:
+    def observe(self, name: str, committed: float, rounds: int, batch: int, context: int) -> None:
+        """A batch of `batch` rows whose longest prompt has `context` tokens ran candidate `name` and committed
+        `committed` tokens in `rounds` rounds (summed over rows)."""
+        expected = self._table.acceptance(batch, context)[name] - 1
+        if name in self._drafting and expected > 0:  # a point where the table saw no draft accepted says nothing
             self._seen += committed - rounds
-            self._expected += (self._table[name] - 1) * rounds
+            self._expected += expected * rounds
 
     @property
     def factor(self) -> float:
         """Drafted tokens committed so far over the table's expectation for them (1 before any batch)."""
         return self._seen / self._expected if self._expected > 0 else 1.0
 
-    def means(self) -> dict[str, float]:
+    def means(self, batch: int, context: int) -> dict[str, float]:
+        """Each candidate's expected tokens per round for a batch of `batch` rows at `context` tokens."""
         f = self.factor
-        return {n: 1 + f * (t - 1) for n, t in self._table.items()}
+        return {n: 1 + f * (t - 1) for n, t in self._table.acceptance(batch, context).items()}

@@ -41,14 +41,15 @@
 #   concurrency axis 30 / 15, the context axis 18 / 9). At 5.5-8 s a program (8 compile threads; the 2026-12-06 H100
 #   call compiled 21 in 117 s; the runs themselves take seconds) that is about 5-6.5 min without tables, 3 with.
 #   (STAGES=calibrate) measures only the tables (--calibrate_only; the same 42 programs, about 5-6.5 min).
-#   Five repeats: with two, one program timed twice at batch 1 differed by 5% (2026-12-07 H200), enough to
-#   mislead a table where two candidates are close; the runs take seconds, compilation the minutes.
-#   One call:  STAGES=auto MAX_NEW=64 REPEATS=5 experiments/run_gpu_matrix.sh   (about 6 min; cap AUTO_S=450)
+#   Five repeats of 128 tokens: with two of 64, one program timed twice at batch 1 differed by 5% (2026-12-07 H200),
+#   and a table's round time is a difference of two walls; that is enough to mislead it where two candidates are
+#   close. The runs take seconds; compilation takes the minutes.
+#   One call:  STAGES=auto REPEATS=5 experiments/run_gpu_matrix.sh   (about 6 min; cap AUTO_S=450)
 #   Cut short, it keeps each table measured and the cells swept. Split, each call about 3-5 min (the records and
 #   tables of the two axes are separate files, so the calls merge by copying):
-#     STAGES=auto MAX_NEW=64 REPEATS=5 AUTO_ARGS=--axis=concurrency experiments/run_gpu_matrix.sh   (30 programs)
-#     STAGES=auto MAX_NEW=64 REPEATS=5 AUTO_ARGS=--axis=context experiments/run_gpu_matrix.sh       (18 programs)
-#   Or tables first: STAGES=calibrate MAX_NEW=64 REPEATS=5 experiments/run_gpu_matrix.sh, copy the
+#     STAGES=auto REPEATS=5 AUTO_ARGS=--axis=concurrency experiments/run_gpu_matrix.sh   (30 programs)
+#     STAGES=auto REPEATS=5 AUTO_ARGS=--axis=context experiments/run_gpu_matrix.sh       (18 programs)
+#   Or tables first: STAGES=calibrate REPEATS=5 experiments/run_gpu_matrix.sh, copy the
 #   sweep_*_auto_calibration.json it returns into experiments/results (and commit them), then STAGES=auto with the
 #   same settings sweeps only (about 3 min). AUTO_ARGS narrows either stage (e.g. --axis=context).
 #

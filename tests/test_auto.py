@@ -83,7 +83,7 @@ def test_table_round_trips_through_json(tmp_path: Path) -> None:
         contexts=(64, 1024, 4096),
         round_ms={"ar": ((1.0, 1.1, 1.5), (1.2, 1.3, 2.0)), "ddtree-8": ((1.5, 1.7, 2.5), (2.5, 2.9, 4.0))},
         call_ms={"ar": ((3.0, 9.0, 30.0), (4.0, 20.0, 80.0)), "ddtree-8": ((4.0, 11.0, 35.0), (5.0, 24.0, 90.0))},
-        tokens_per_round={"ar": 1.0, "ddtree-8": 3.98},
+        tokens_per_round={"ar": 1.0, "ddtree-8": ((4.5, 3.98, 3.2), (4.4, 3.9, 3.1))},
         acceptance_rounds=1200,
         settings={"max_new_tokens": 64, "repeats": 3},
     )
@@ -92,6 +92,37 @@ def test_table_round_trips_through_json(tmp_path: Path) -> None:
     assert back == table and back.source == str(tmp_path / "calibration.json")
     assert back.candidates == (Candidate("ar"), Candidate("ddtree", 8))
     assert json.loads((tmp_path / "calibration.json").read_text())["device_kind"] == "NVIDIA H200"
+    assert back.tokens_per_round["ar"] == ((1.0,) * 3,) * 2  # one number per candidate: the same at every point
+
+
+def test_a_table_of_the_previous_format_holds_its_one_acceptance_everywhere(tmp_path: Path) -> None:
+    raw = make_table(tokens_per_round={"ddtree-4": 3.0}).to_json()
+    raw["format"] = "ddtree-cost-table/2"
+    raw["candidates"]["ar"]["tokens_per_round"], raw["candidates"]["ddtree-4"]["tokens_per_round"] = 1.0, 3.0
+    (tmp_path / "calibration.json").write_text(json.dumps(raw))
+    table = CostTable.load(tmp_path / "calibration.json")
+    assert table.acceptance(1, 64) == table.acceptance(128, 8192) == {"ar": 1.0, "ddtree-4": 3.0}
+
+
+def test_acceptance_per_grid_point_moves_the_choice_with_the_context() -> None:
+    """The chain accepts more at short context and the tree at long (as the shipped pair does past its training
+    window): a table that knows it at each grid point picks each where it wins; one pooled figure could not."""
+    table = dataclasses.replace(
+        make_table(("ar", "dflash", "ddtree-8")),
+        contexts=(64, 2048),
+        round_ms={"ar": ((1.0, 1.0),), "dflash": ((1.0, 1.0),), "ddtree-8": ((1.2, 1.2),)},
+        call_ms={n: ((1.0, 1.0),) for n in ("ar", "dflash", "ddtree-8")},
+        tokens_per_round={"ar": 1.0, "dflash": ((5.0, 3.0),), "ddtree-8": ((5.2, 4.2),)},
+    )
+    assert table.choose(1, 64, 1001, table.acceptance(1, 64)).candidate.name == "dflash"  # 5.0 / 1.0 > 5.2 / 1.2
+    assert table.choose(1, 2048, 1001, table.acceptance(1, 2048)).candidate.name == "ddtree-8"  # 4.2 / 1.2 > 3.0
+    assert table.acceptance(1, 1056)["dflash"] == pytest.approx(4.0)  # linear in context between points
+    acceptance = Acceptance(table)
+    acceptance.observe("dflash", 400.0, 100, 1, 2048)  # 300 drafted where the table expects 200 at that point
+    assert acceptance.factor > 1 and acceptance.means(1, 2048)["dflash"] == pytest.approx(1 + 2 * acceptance.factor)
+    silent = Acceptance(dataclasses.replace(table, tokens_per_round=table.tokens_per_round | {"dflash": ((5.0, 1.0),)}))
+    silent.observe("dflash", 400.0, 100, 1, 2048)  # where the table saw no draft accepted: no expectation to scale
+    assert silent.factor == 1.0
 
 
 @pytest.mark.parametrize(
@@ -101,7 +132,7 @@ def test_table_round_trips_through_json(tmp_path: Path) -> None:
         ('{"format": "other"}', "not a cost table"),
         (json.dumps(make_table().to_json() | {"batches": [8, 1]}), "batches must be increasing"),
         (json.dumps(make_table().to_json() | {"candidates": {}}), "at least one"),
-        (json.dumps(make_table().to_json() | {"format": "ddtree-cost-table/1"}), "want 'ddtree-cost-table/2'"),
+        (json.dumps(make_table().to_json() | {"format": "ddtree-cost-table/1"}), "want 'ddtree-cost-table/3'"),
         (json.dumps(make_table().to_json() | {"acceptance_rounds": 0}), "acceptance_rounds must be an integer >= 1"),
     ],
 )
@@ -116,7 +147,12 @@ def test_malformed_table_is_a_user_error_naming_the_file(tmp_path: Path, text: s
 def test_round_time_is_linear_in_batch_and_context_and_clamped() -> None:
     grid = ((1.0, 3.0), (5.0, 11.0))  # batches 1, 9 x contexts 100, 300
     table = dataclasses.replace(
-        make_table(("ar",)), batches=(1, 9), contexts=(100, 300), round_ms={"ar": grid}, call_ms={"ar": grid}
+        make_table(("ar",)),
+        batches=(1, 9),
+        contexts=(100, 300),
+        round_ms={"ar": grid},
+        call_ms={"ar": grid},
+        tokens_per_round={"ar": 1.0},
     )
     assert table.round_time("ar", 1, 100) == 1.0 and table.round_time("ar", 9, 300) == 11.0
     assert table.round_time("ar", 1, 200) == 2.0  # halfway in context
@@ -128,12 +164,12 @@ def test_round_time_is_linear_in_batch_and_context_and_clamped() -> None:
 
 
 def test_the_choice_follows_the_table() -> None:
-    assert AR_WINS.choose(1, 64, N, AR_WINS.tokens_per_round).candidate == Candidate("ar")
-    choice = TREE_WINS.choose(1, 64, N, TREE_WINS.tokens_per_round)
+    assert AR_WINS.choose(1, 64, N, AR_WINS.acceptance(1, 64)).candidate == Candidate("ar")
+    choice = TREE_WINS.choose(1, 64, N, TREE_WINS.acceptance(1, 64))
     assert choice.candidate == Candidate("ddtree", 4)
     assert choice.expected_tokens_per_s == pytest.approx({"ar": 1000.0, "ddtree-4": 1800.0})  # 9 tokens / 9 vs 5 ms
     assert choice.to_dict()["chosen"] == "ddtree-4" and choice.to_dict()["reason"] == "cost table"
-    assert TREE_WINS.choose(4, 64, N, TREE_WINS.tokens_per_round).expected_tokens_per_s["ar"] == pytest.approx(4000.0)
+    assert TREE_WINS.choose(4, 64, N, TREE_WINS.acceptance(4, 64)).expected_tokens_per_s["ar"] == pytest.approx(4000.0)
 
 
 def tree_wins_by(faster: float, names: Sequence[str] = ("ar", "ddtree-4"), dflash_ms: float = 9.0) -> CostTable:
@@ -153,7 +189,7 @@ def test_a_drafter_replaces_ar_only_when_expected_faster_by_the_margin(faster: f
     10% faster replaces it. The reported expected rates stay the plain ones."""
     assert 0.03 < AR_MARGIN < 0.10
     table = tree_wins_by(faster)
-    choice = table.choose(1, 64, N, table.tokens_per_round)
+    choice = table.choose(1, 64, N, table.acceptance(1, 64))
     assert choice.candidate.name == chosen and choice.to_dict()["reason"] == "cost table"
     rates = choice.expected_tokens_per_s
     assert rates["ddtree-4"] == pytest.approx(1800.0) and rates["ddtree-4"] / rates["ar"] == pytest.approx(1 + faster)
@@ -164,45 +200,47 @@ def test_the_margin_only_guards_leaving_ar() -> None:
     first in table order), with ar in the table or not; without ar the highest rate wins."""
     near = 5.0 * 1.03  # dflash's ms: ddtree-4's 5 ms is a 3% higher rate
     with_ar = tree_wins_by(0.5, ("ar", "dflash", "ddtree-4"), dflash_ms=near)
-    choice = with_ar.choose(1, 64, N, with_ar.tokens_per_round)
+    choice = with_ar.choose(1, 64, N, with_ar.acceptance(1, 64))
     assert choice.candidate.name == "ddtree-4"
     assert choice.expected_tokens_per_s["ddtree-4"] / choice.expected_tokens_per_s["dflash"] == pytest.approx(1.03)
     without_ar = tree_wins_by(0.5, ("dflash", "ddtree-4"), dflash_ms=near)
-    assert without_ar.choose(1, 64, N, without_ar.tokens_per_round).candidate.name == "ddtree-4"
+    assert without_ar.choose(1, 64, N, without_ar.acceptance(1, 64)).candidate.name == "ddtree-4"
     slower = tree_wins_by(0.5, ("dflash", "ddtree-4"), dflash_ms=5.0 / 1.03)  # now dflash's rate is 3% higher
-    assert slower.choose(1, 64, N, slower.tokens_per_round).candidate.name == "dflash"
+    assert slower.choose(1, 64, N, slower.acceptance(1, 64)).candidate.name == "dflash"
 
 
 def test_the_call_time_counts_more_the_fewer_tokens_a_run_makes() -> None:
     """A program whose rounds are cheaper per token but whose call costs more (a drafter's prefill) wins only when
     the run is long enough to pay that back."""
     table = make_table(round_ms={"ddtree-4": 1.5}, tokens_per_round={"ddtree-4": 3.0}, call_ms={"ddtree-4": 20.0})
-    assert table.choose(1, 64, N, table.tokens_per_round).candidate.name == "ar"  # 1 + 8 = 9 ms vs 20 + 4 = 24
+    assert table.choose(1, 64, N, table.acceptance(1, 64)).candidate.name == "ar"  # 1 + 8 = 9 ms vs 20 + 4 = 24
     assert table.run_time("ddtree-4", 1, 64, 1001, 3.0) == pytest.approx(520.0)
-    assert table.choose(1, 64, 1001, table.tokens_per_round).candidate.name == "ddtree-4"  # 520 ms vs 1001
+    assert table.choose(1, 64, 1001, table.acceptance(1, 64)).candidate.name == "ddtree-4"  # 520 ms vs 1001
 
 
 def test_acceptance_scales_every_drafting_candidate_by_what_was_observed() -> None:
-    acceptance = Acceptance({"ar": 1.0, "ddtree-4": 3.0, "dflash": 2.0}, prior_rounds=10)  # worth 10 x 1.5 drafted
-    assert acceptance.factor == 1.0 and acceptance.means() == {"ar": 1.0, "ddtree-4": 3.0, "dflash": 2.0}
-    acceptance.observe("ar", 5.0, 5)  # ar drafts nothing: no news of the content
-    acceptance.observe("ddtree-4", 10.0, 10)  # 10 rounds, none accepting a draft: 0 drafted of 20 expected
+    table = make_table(("ar", "ddtree-4", "dflash"), tokens_per_round={"ddtree-4": 3.0, "dflash": 2.0})
+    acceptance = Acceptance(table)  # its 10 rounds worth 10 x 1.5 drafted
+    assert acceptance.factor == 1.0 and acceptance.means(1, 64) == {"ar": 1.0, "ddtree-4": 3.0, "dflash": 2.0}
+    acceptance.observe("ar", 5.0, 5, 1, 64)  # ar drafts nothing: no news of the content
+    acceptance.observe("ddtree-4", 10.0, 10, 1, 64)  # 10 rounds, none accepting a draft: 0 drafted of 20 expected
     assert acceptance.factor == pytest.approx(15 / 35)
-    assert acceptance.means() == pytest.approx({"ar": 1.0, "ddtree-4": 1 + 2 * 15 / 35, "dflash": 1 + 15 / 35})
-    acceptance.observe("dflash", 300.0, 100)  # 200 drafted where the table expects 100
+    want = {"ar": 1.0, "ddtree-4": 1 + 2 * 15 / 35, "dflash": 1 + 15 / 35}
+    assert acceptance.means(1, 64) == pytest.approx(want)
+    acceptance.observe("dflash", 300.0, 100, 1, 64)  # 200 drafted where the table expects 100
     assert acceptance.factor == pytest.approx((15 + 200) / (35 + 100))
 
 
 def test_measured_acceptance_moves_the_choice() -> None:
-    acceptance = Acceptance(TREE_WINS.tokens_per_round, TREE_WINS.acceptance_rounds)  # worth 10 rounds x 2 drafted
-    assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ddtree-4"
-    acceptance.observe("ddtree-4", 10.0, 10)  # factor 20 / 40: 2 tokens per round, 1 + 4 x 1.5 = 7 ms
-    assert acceptance.means()["ddtree-4"] == 2.0
-    assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ddtree-4"
-    acceptance.observe("ddtree-4", 10.0, 10)  # 20 / 60: 1.67 tokens per round, 8.2 ms vs ar's 9
-    assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ddtree-4"
-    acceptance.observe("ddtree-4", 10.0, 10)  # 20 / 80: 1.5 per round, 9 ms as ar's: within the margin, ar
-    assert TREE_WINS.choose(1, 64, N, acceptance.means()).candidate.name == "ar"
+    acceptance = Acceptance(TREE_WINS)  # worth 10 rounds x 2 drafted
+    assert TREE_WINS.choose(1, 64, N, acceptance.means(1, 64)).candidate.name == "ddtree-4"
+    acceptance.observe("ddtree-4", 10.0, 10, 1, 64)  # factor 20 / 40: 2 tokens per round, 1 + 4 x 1.5 = 7 ms
+    assert acceptance.means(1, 64)["ddtree-4"] == 2.0
+    assert TREE_WINS.choose(1, 64, N, acceptance.means(1, 64)).candidate.name == "ddtree-4"
+    acceptance.observe("ddtree-4", 10.0, 10, 1, 64)  # 20 / 60: 1.67 tokens per round, 8.2 ms vs ar's 9
+    assert TREE_WINS.choose(1, 64, N, acceptance.means(1, 64)).candidate.name == "ddtree-4"
+    acceptance.observe("ddtree-4", 10.0, 10, 1, 64)  # 20 / 80: 1.5 per round, 9 ms as ar's: within the margin, ar
+    assert TREE_WINS.choose(1, 64, N, acceptance.means(1, 64)).candidate.name == "ar"
 
 
 FakeSpec = collections.namedtuple("FakeSpec", "kernels key")  # hashable, as a GenSpec is
@@ -246,8 +284,8 @@ def test_round_time_is_per_round_of_the_mean_row() -> None:
         drafter="d",
     )
     assert table.round_time("ddtree-8", 2, 3) == pytest.approx(2.0) and table.call_time("ddtree-8", 2, 3) == 1.0
-    assert table.tokens_per_round["ddtree-8"] == pytest.approx(30 / 12) and table.acceptance_rounds == 12
-    rate = table.choose(2, 3, 16, table.tokens_per_round).expected_tokens_per_s["ddtree-8"]
+    assert table.acceptance(2, 3)["ddtree-8"] == pytest.approx(30 / 12) and table.acceptance_rounds == 12
+    rate = table.choose(2, 3, 16, table.acceptance(2, 3)).expected_tokens_per_s["ddtree-8"]
     assert rate == pytest.approx(2 * 16 / 0.013)  # 2 rows x 16 tokens in the 13 ms the run took
 
 
@@ -272,10 +310,20 @@ def test_acceptance_is_measured_over_more_rows_than_a_small_batch() -> None:
     kw = {"contexts": [4], "max_new_tokens": 8, "compile_workers": 1, "target": "t", "drafter": "d"}
     table = measure(gen, prompts, candidates=[Candidate("dflash")], batches=[1], repeats=2, **kw)
     assert gen.full_runs == [[2], [3], [4], [5], [6], [2], [2]]  # 5 untimed rows, then 2 timed runs of row 0
-    assert table.tokens_per_round["dflash"] == pytest.approx(4.0) and table.acceptance_rounds == 50
+    assert table.acceptance(1, 4)["dflash"] == pytest.approx(4.0) and table.acceptance_rounds == 50
     gen = RowsGenerator()
     measure(gen, prompts, candidates=[Candidate("dflash")], batches=[2], repeats=1, **kw)
     assert gen.full_runs == [[2, 3], [4, 5], [6, 2], [2, 3]]  # 3 batches of 2 cover the 5 prompts, then row 0's
+
+
+def test_acceptance_at_a_context_is_pooled_over_the_grids_batches() -> None:
+    """A row's acceptance follows its text and context, not its batch: the table holds, at each batch of a
+    context, the tokens per round of every row run there (batch 1: rows 2-6; batch 2: rows 2-6 and 2 again)."""
+    kw = {"contexts": [4], "max_new_tokens": 8, "compile_workers": 1, "target": "t", "drafter": "d", "repeats": 1}
+    prompts = [[t] * 4 for t in (2, 3, 4, 5, 6)]
+    table = measure(RowsGenerator(), prompts, candidates=[Candidate("dflash")], batches=[1, 2], **kw)
+    pooled = (2 + 3 + 4 + 5 + 6 + 2 + 3 + 4 + 5 + 6 + 2) / 11
+    assert table.acceptance(1, 4)["dflash"] == table.acceptance(2, 4)["dflash"] == pytest.approx(pooled)
 
 
 def test_a_table_from_another_device_dtype_or_exact_setting_is_refused() -> None:
@@ -319,11 +367,11 @@ def test_auto_is_lossless_and_reports_its_choice(gen: api.Generator) -> None:
     committed = sum(s["tokens_per_round"] * s["rounds"] for s in res.stats)
     rounds = sum(s["rounds"] for s in res.stats)
     factor = (10 * 2 + committed - rounds) / (10 * 2 + 2 * rounds)  # the table's 10 rounds, then the batch's
-    assert gen.acceptance.means()["ddtree-4"] == pytest.approx(1 + 2 * factor)
+    assert gen.acceptance.means(2, 4)["ddtree-4"] == pytest.approx(1 + 2 * factor)
     gen.use_calibration(AR_WINS)
     res = gen.generate(PROMPTS, method="auto", **KW)
     assert (res.method, res.budget, res.tokens) == ("ar", None, ar.tokens)
-    assert gen.acceptance.means() == {"ar": 1.0, "ddtree-4": 3.0}  # ar's runs say nothing of the drafts
+    assert gen.acceptance.means(2, 4) == {"ar": 1.0, "ddtree-4": 3.0}  # ar's runs say nothing of the drafts
 
 
 def test_auto_refusals(gen: api.Generator, pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -461,8 +509,9 @@ def test_calibrate_writes_a_table_beside_the_drafter(pair: tuple[Path, Path], tm
     table = CostTable.load(drafter / "calibration.json")
     assert [c.name for c in table.candidates] == ["ar", "ddtree-2"]
     assert (table.batches, table.contexts) == ((2,), (2048 - 4 - 3,))  # lowered to the position limit
-    assert table.dtype == "float32" and table.device_count == 1 and table.tokens_per_round["ar"] == 1.0
-    assert table.tokens_per_round["ddtree-2"] >= 1 and table.settings["prompts"] == str(prompts)
+    at = table.acceptance(2, table.contexts[0])
+    assert table.dtype == "float32" and table.device_count == 1 and at["ar"] == 1.0
+    assert at["ddtree-2"] >= 1 and table.settings["prompts"] == str(prompts)
     assert "auto's choice for 4 new tokens at the measured acceptance" in proc.stdout
     again = calibrate(pair[0], drafter, prompts, *grid)  # refused before anything is loaded
     assert again.returncode == 2 and again.stderr.strip().endswith("exists: pass --overwrite to replace it")
