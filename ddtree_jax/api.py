@@ -41,18 +41,23 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def exact_by_default(one_device: bool, dtype) -> bool:
+    """The exact numerics' default: on for bfloat16 on one GPU (no mesh), where their cost at batch 1 is within 10%
+    (docs/exactness.md), else off: a CPU runs float32 by default, exact there without them, and they do not cover a
+    device mesh yet."""
+    return one_device and jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16
+
+
 def resolve_exact(exact: bool | None, mesh: Mesh | None, dtype) -> bool:
-    """Whether programs run the exact (batch- and tree-invariant) numerics: `exact`; None, the default: on for
-    bfloat16 on one GPU (no mesh), where their cost at batch 1 is within 10% (docs/exactness.md), else off: a CPU
-    runs float32 by default, exact there without them, and they do not cover a device mesh yet, so exact=True with
-    one is a `UserError`."""
+    """Whether programs run the exact (batch- and tree-invariant) numerics: `exact`; None: `exact_by_default`.
+    They do not cover a device mesh yet, so exact=True with one is a `UserError`."""
     if exact and mesh is not None:
         raise UserError(
             "the exact numerics do not cover a device mesh yet (GSPMD cannot split their kernels): run on one device, "
             "or without --exact"
         )
     if exact is None:
-        return mesh is None and jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16
+        return exact_by_default(mesh is None, dtype)
     return bool(exact)
 
 

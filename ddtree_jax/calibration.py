@@ -48,13 +48,6 @@ def as_grid(values: np.ndarray) -> tuple[tuple[float, ...], ...]:
     return tuple(tuple(float(v) for v in row) for row in values)
 
 
-def per_context(committed: np.ndarray, rounds: np.ndarray) -> np.ndarray:
-    """Tokens per round at each context `[len(contexts)]`, pooled over the batches `[len(batches), len(contexts)]`
-    (1 where no round ran)."""
-    total = rounds.sum(axis=0)
-    return np.where(total > 0, committed.sum(axis=0) / np.maximum(total, 1), 1.0)
-
-
 def measure(
     gen: Generator,
     prompts: Sequence[Sequence[int]],
@@ -90,8 +83,8 @@ def measure(
     gen.precompile(specs, compile_workers)
     round_ms = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
     call_ms = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
-    committed = {c.name: np.zeros((len(batches), len(contexts))) for c in candidates}
-    rounds = {c.name: np.zeros((len(batches), len(contexts)), dtype=np.int64) for c in candidates}
+    committed = {c.name: np.zeros(len(contexts)) for c in candidates}  # per context, over every batch's runs
+    rounds = {c.name: np.zeros(len(contexts), dtype=np.int64) for c in candidates}
     for (b, ctx), rows in grid.items():
         extra = at_length(prompts, ctx, b * -(-min(ACCEPTANCE_ROWS, len(prompts)) // b))[b:]  # after `rows`
         at = batches.index(b), contexts.index(ctx)
@@ -102,8 +95,8 @@ def measure(
                 res = gen.generate(batch, **r[max_new_tokens], **settings)
                 if i == 0:
                     iterations[name] = sum(st["rounds"] for st in res.stats) / len(res.stats)  # the mean row's
-                committed[name][at] += sum(st["tokens_per_round"] * st["rounds"] for st in res.stats)
-                rounds[name][at] += sum(st["rounds"] for st in res.stats)
+                committed[name][at[1]] += sum(st["tokens_per_round"] * st["rounds"] for st in res.stats)
+                rounds[name][at[1]] += sum(st["rounds"] for st in res.stats)
         walls = {name: {n: [] for n in r} for name, r in runs.items()}
         for _ in range(repeats):
             for name, r in runs.items():
@@ -130,7 +123,10 @@ def measure(
         call_ms={n: as_grid(g) for n, g in call_ms.items()},
         tokens_per_round={
             c.name: as_grid(
-                np.broadcast_to(per_context(committed[c.name], rounds[c.name]), (len(batches), len(contexts)))
+                np.broadcast_to(
+                    np.where(rounds[c.name] > 0, committed[c.name] / np.maximum(rounds[c.name], 1), 1.0),
+                    (len(batches), len(contexts)),
+                )
             )
             if c.method != "ar"
             else 1.0

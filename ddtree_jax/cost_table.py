@@ -270,8 +270,8 @@ class Acceptance:
 
     def __init__(self, table: CostTable):
         self._table = table
-        self._drafting = [c.name for c in table.candidates if c.method != "ar"]
-        drafted = [t - 1 for n in self._drafting for row in table.tokens_per_round[n] for t in row]
+        drafting = [c.name for c in table.candidates if c.method != "ar"]
+        drafted = [t - 1 for n in drafting for row in table.tokens_per_round[n] for t in row]
         prior = table.acceptance_rounds * (sum(drafted) / len(drafted) if drafted else 0.0)
         self._seen = self._expected = prior  # drafted tokens: committed past one per round / the table's for them
 
@@ -279,7 +279,7 @@ class Acceptance:
         """A batch of `batch` rows whose longest prompt has `context` tokens ran candidate `name` and committed
         `committed` tokens in `rounds` rounds (summed over rows)."""
         expected = self._table.acceptance(batch, context)[name] - 1
-        if name in self._drafting and expected > 0:  # a point where the table saw no draft accepted says nothing
+        if expected > 0:  # ar (1 everywhere), or a point where the table saw no draft accepted, says nothing
             self._seen += committed - rounds
             self._expected += expected * rounds
 

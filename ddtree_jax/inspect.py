@@ -78,7 +78,9 @@ def planned_exact() -> bool:
         return FLAGS.exact
     import jax
 
-    return not FLAGS.mesh and jax.default_backend() == "gpu" and jax.device_count() == 1
+    from ddtree_jax.api import default_dtype, exact_by_default
+
+    return exact_by_default(not FLAGS.mesh and jax.device_count() == 1, default_dtype())
 
 
 def check_method() -> None:
