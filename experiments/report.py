@@ -290,7 +290,7 @@ def exact_section(d: Path) -> list[str]:
         out.append(
             f"`{name}` ({meta_line(check)}): {sum(r['rows_differ'] == 0 for r in on)} of {len(on)} cells "
             "with no row differing from batch-1 AR; cost at batch 1, tokens/s on over off: "
-            + (cost or "not measured (the run without the switch did not finish)")
+            + (cost or "not measured (no batch-1 cell ran without the switch)")
         )
         out += cost_table(check["records"])
     return out + segment_table(d)
