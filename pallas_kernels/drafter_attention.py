@@ -14,6 +14,9 @@ serialised over G query heads in one program):
   Each program reads its heads' projection columns, i.e. every sequence re-reads them: when they exceed
   PROJECT_MAX_BYTES (a large hidden size) the projections run in XLA before the kernel, one product each over all
   rows (`reference.drafter_projections`), and the kernel loads them (`_load_projections`).
+* Load order. The loads that need no earlier result (the input norm's gain, every tile of it; the q / k norm
+  weights and the program's RoPE rows) are issued at the program's start, so their latency overlaps the projection's
+  loads instead of following them.
 * Per-head q / k RMS norm (the sum of squares of both halves) and rotate-half RoPE on the halves; a score is
   q_lo k_lo^T + q_hi k_hi^T, the context cache's K loaded by halves too.
 * Attention (`_attend`): online softmax in f32 over the context tiles below ctx_len[b] (slots past it are never
@@ -129,6 +132,15 @@ def _project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d: _Dims) -> tuple[Halves, Ha
     V `[R, hd]`, rounded to x.dtype: a = rms_norm(x) in x.dtype, a @ W accumulated in f32."""
     dtype, half, n_tiles = x_ref.dtype, d.head_dim // 2, d.hidden // d.block_h
     row0, kv_col = pl.program_id(0) * d.rows, _kv_col(d)  # outside the loops for interpret mode
+    # The norm's gain, every tile loaded before the loops (inside, its load waited a round trip each tile).
+    gains = [g_ref[pl.ds(t * d.block_h, d.block_h)].astype(dtype) for t in range(n_tiles)]
+
+    def gain(i):
+        """gains[i] for a traced tile index i (a chain of selects)."""
+        g = gains[0]
+        for t in range(1, n_tiles):
+            g = jnp.where(i == t, gains[t], g)
+        return g
 
     def x_tile(i):
         return _load_rows(x_ref, row0, d, pl.ds(i * d.block_h, d.block_h)).astype(jnp.float32)
@@ -142,7 +154,7 @@ def _project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d: _Dims) -> tuple[Halves, Ha
 
     def tile(i, accs):
         ins = pl.ds(i * d.block_h, d.block_h)
-        a = g_ref[ins].astype(dtype)[None, :] * (x_tile(i) * inv).astype(dtype)
+        a = gain(i)[None, :] * (x_tile(i) * inv).astype(dtype)
         weights = [wq_ref[ins, pl.ds(p * half, half)] for p in (0, 1)]
         weights += [wk_ref[ins, pl.ds(kv_col + p * half, half)] for p in (0, 1)]
         weights.append(wv_ref[ins, pl.ds(kv_col, d.head_dim)])
@@ -162,15 +174,15 @@ def _load_projections(q_ref, k_ref, v_ref, d: _Dims) -> tuple[Halves, Halves, ja
     return q, k, _load_rows(v_ref, row0, d, pl.ds(kv_col, d.head_dim))
 
 
-def _norm_rope(head: Halves, w_ref, cos: jax.Array, sin: jax.Array, d: _Dims) -> Halves:
-    """rms_norm (weight w_ref `[hd]`) then rotate-half RoPE (cos, sin `[R, hd/2]` f32) of one head given as halves in
-    the input dtype -> its rotated halves in that dtype."""
-    dtype, half = head[0].dtype, d.head_dim // 2
+def _norm_rope(head: Halves, weight: Halves, cos: jax.Array, sin: jax.Array, d: _Dims) -> Halves:
+    """rms_norm (weight halves `[hd/2]`) then rotate-half RoPE (cos, sin `[R, hd/2]` f32) of one head given as halves
+    in the input dtype -> its rotated halves in that dtype."""
+    dtype = head[0].dtype
     lo, hi = (t.astype(jnp.float32) for t in head)
     inv = lax.rsqrt((jnp.sum(lo * lo, axis=1) + jnp.sum(hi * hi, axis=1)) / d.head_dim + d.eps)[:, None]
     lo, hi = (
-        (w_ref[pl.ds(p * half, half)].astype(dtype)[None, :] * (t * inv).astype(dtype)).astype(jnp.float32)
-        for p, t in ((0, lo), (1, hi))
+        (w.astype(dtype)[None, :] * (t * inv).astype(dtype)).astype(jnp.float32)
+        for w, t in zip(weight, (lo, hi), strict=True)
     )
     return (lo * cos - hi * sin).astype(dtype), (hi * cos + lo * sin).astype(dtype)
 
@@ -240,25 +252,35 @@ def _merge(acc: jax.Array, m: jax.Array, l_sum: jax.Array, dtype) -> jax.Array:
     return (jnp.sum(w[..., None] * acc, axis=0) / jnp.sum(w * l_sum, axis=0)[..., None]).astype(dtype)
 
 
-def _attention_block(projections, len_ref, qn_ref, kn_ref, cos_ref, sin_ref, ck_ref, cv_ref, *out_refs, d: _Dims):
-    """Norms and RoPE of the program's projections (`_project` / `_load_projections`), then `_attend`."""
-    q, k, v = projections
+def _load_tables(qn_ref, kn_ref, cos_ref, sin_ref, d: _Dims) -> tuple[Halves, Halves, jax.Array, jax.Array]:
+    """The q and k norm weights as halves `[hd/2]` and the program's RoPE rows cos, sin `[R, hd/2]` in f32; the
+    kernels load them before the projections, so that their loads overlap the projections' rather than follow."""
     row0, half = pl.program_id(0) * d.rows, d.head_dim // 2
+    q_norm, k_norm = (tuple(ref[pl.ds(p * half, half)] for p in (0, 1)) for ref in (qn_ref, kn_ref))
     cos, sin = (_load_rows(ref, row0, d, pl.ds(0, half)).astype(jnp.float32) for ref in (cos_ref, sin_ref))
-    q, k = (_norm_rope(head, w_ref, cos, sin, d) for head, w_ref in ((q, qn_ref), (k, kn_ref)))
+    return q_norm, k_norm, cos, sin
+
+
+def _attention_block(projections, tables, len_ref, ck_ref, cv_ref, *out_refs, d: _Dims):
+    """Norms and RoPE of the program's projections (`_project` / `_load_projections`) with `_load_tables`'s
+    tables, then `_attend`."""
+    (q, k, v), (q_norm, k_norm, cos, sin) = projections, tables
+    q, k = (_norm_rope(head, w, cos, sin, d) for head, w in ((q, q_norm), (k, k_norm)))
     _attend(len_ref, ck_ref, cv_ref, out_refs, q, k, v, d)
 
 
-def _fused_kernel(len_ref, x_ref, g_ref, wq_ref, wk_ref, wv_ref, *refs, d: _Dims):
-    """One (sequence, query head, context split) program projecting its own rows; refs: q_norm, k_norm, cos, sin,
-    cache K, cache V, the outputs (see `_attend` and `drafter_attention_pallas`)."""
-    _attention_block(_project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d), len_ref, *refs, d=d)
+def _fused_kernel(len_ref, x_ref, g_ref, wq_ref, wk_ref, wv_ref, qn_ref, kn_ref, cos_ref, sin_ref, *refs, d: _Dims):
+    """One (sequence, query head, context split) program projecting its own rows; refs: cache K, cache V, the
+    outputs (see `_attend` and `drafter_attention_pallas`)."""
+    tables = _load_tables(qn_ref, kn_ref, cos_ref, sin_ref, d)
+    _attention_block(_project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d), tables, len_ref, *refs, d=d)
 
 
-def _projected_kernel(len_ref, q_ref, k_ref, v_ref, *refs, d: _Dims):
+def _projected_kernel(len_ref, q_ref, k_ref, v_ref, qn_ref, kn_ref, cos_ref, sin_ref, *refs, d: _Dims):
     """One (sequence, query head, context split) program on projections computed before the kernel; refs as
     `_fused_kernel`'s."""
-    _attention_block(_load_projections(q_ref, k_ref, v_ref, d), len_ref, *refs, d=d)
+    tables = _load_tables(qn_ref, kn_ref, cos_ref, sin_ref, d)
+    _attention_block(_load_projections(q_ref, k_ref, v_ref, d), tables, len_ref, *refs, d=d)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "eps", "scale", "project", "interpret"))

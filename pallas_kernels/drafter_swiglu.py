@@ -72,10 +72,11 @@ def _kernel(x_ref, norm_ref, gate_ref, up_ref, out_ref, *, d: _Dims) -> None:
     live = (row0 + jnp.arange(d.block_rows, dtype=jnp.int32) < d.rows)[:, None]
     rows, dtype = pl.ds(row0, d.block_rows), x_ref.dtype
     x = pltriton.load(x_ref.at[rows, :], mask=live, other=0).astype(jnp.float32)
+    gain, gate, up = norm_ref[...], gate_ref[...], up_ref[...]  # loaded before the norm waits on x
     scale = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / d.hidden + d.eps)[:, None]
-    normed = norm_ref[...].astype(dtype)[None, :] * (x * scale).astype(dtype)
+    normed = gain.astype(dtype)[None, :] * (x * scale).astype(dtype)
     dot = ieee_dot(dtype)
-    g, u = dot(normed, gate_ref[...]), dot(normed, up_ref[...])
+    g, u = dot(normed, gate), dot(normed, up)
     pltriton.store(out_ref.at[rows, :], (g * jax.nn.sigmoid(g) * u).astype(dtype), mask=live)
 
 

@@ -140,10 +140,11 @@ def _kernel(
             return acc + dot(x, w_ref[pl.ds(n0, bn), pl.ds(k0, bk)].T)
         return acc + dot(x, w_ref[pl.ds(k0, bk), pl.ds(n0, bn)])
 
+    if residual:  # loaded before the K loop, so that its latency overlaps the loop's
+        r = pltriton.load(res_ref.at[:, pl.ds(n0, bn)], mask=row_ok, other=0)
     acc = k_tiles(step, jnp.zeros((BLOCK_M, bn), jnp.float32))
     out = acc.astype(o_ref.dtype)
     if residual:
-        r = pltriton.load(res_ref.at[:, pl.ds(n0, bn)], mask=row_ok, other=0)
         out = (r.astype(jnp.float32) + out.astype(jnp.float32)).astype(o_ref.dtype)
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)
     pltriton.store(o_ref.at[:, pl.ds(n0, bn)], out, mask=row_ok & (cols >= own)[None, :])
