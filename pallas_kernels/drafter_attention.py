@@ -14,9 +14,9 @@ serialised over G query heads in one program):
   Each program reads its heads' projection columns, i.e. every sequence re-reads them: when they exceed
   PROJECT_MAX_BYTES (a large hidden size) the projections run in XLA before the kernel, one product each over all
   rows (`reference.drafter_projections`), and the kernel loads them (`_load_projections`).
-* Load order. The loads that need no earlier result (the input norm's gain, every tile of it; the q / k norm
-  weights and the program's RoPE rows) are issued at the program's start, so their latency overlaps the projection's
-  loads instead of following them.
+* Load order. The loads that need no earlier result (the input norm's gain, every tile of it when there are at
+  most HOISTED_GAIN_TILES; the q / k norm weights and the program's RoPE rows) are issued at the program's start, so
+  their latency overlaps the projection's loads instead of following them.
 * Per-head q / k RMS norm (the sum of squares of both halves) and rotate-half RoPE on the halves; a score is
   q_lo k_lo^T + q_hi k_hi^T, the context cache's K loaded by halves too.
 * Attention (`_attend`): online softmax in f32 over the context tiles below ctx_len[b] (slots past it are never
@@ -48,6 +48,7 @@ _NEG_INIT = -1e30  # finite running-max start: a fully masked tile never produce
 MIN_DIM = 16  # Triton dots take operands of at least 16 rows and columns
 BLOCK_L = 64  # context slots per tile
 BLOCK_H = 128  # inputs per projection tile
+HOISTED_GAIN_TILES = 4  # up to this many projection tiles, the norm gain's tiles are all loaded before the loops
 SPLIT_SLOTS = 256  # context slots per split at least (a whole number of tiles)
 PROGRAMS = 128  # programs a call aims for: about one per SM of an H100 (132)
 PROJECT_MAX_BYTES = 1 << 19  # a program's projection columns above this: the projections run in XLA
@@ -132,11 +133,15 @@ def _project(x_ref, g_ref, wq_ref, wk_ref, wv_ref, d: _Dims) -> tuple[Halves, Ha
     V `[R, hd]`, rounded to x.dtype: a = rms_norm(x) in x.dtype, a @ W accumulated in f32."""
     dtype, half, n_tiles = x_ref.dtype, d.head_dim // 2, d.hidden // d.block_h
     row0, kv_col = pl.program_id(0) * d.rows, _kv_col(d)  # outside the loops for interpret mode
-    # The norm's gain, every tile loaded before the loops (inside, its load waited a round trip each tile).
-    gains = [g_ref[pl.ds(t * d.block_h, d.block_h)].astype(dtype) for t in range(n_tiles)]
+    # The norm's gain: in the tile loop its load was not prefetched and each tile waited on it (Nsight Compute,
+    # experiments/results/ncu_drafter_stalls), so up to HOISTED_GAIN_TILES tiles it is loaded before the loops.
+    hoisted = n_tiles <= HOISTED_GAIN_TILES
+    gains = [g_ref[pl.ds(t * d.block_h, d.block_h)].astype(dtype) for t in range(n_tiles if hoisted else 0)]
 
     def gain(i):
-        """gains[i] for a traced tile index i (a chain of selects)."""
+        """The gain's tile i `[block_h]`: a chain of selects among the loaded tiles, else a load."""
+        if not hoisted:
+            return g_ref[pl.ds(i * d.block_h, d.block_h)].astype(dtype)
         g = gains[0]
         for t in range(1, n_tiles):
             g = jnp.where(i == t, gains[t], g)

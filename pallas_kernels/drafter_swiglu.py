@@ -5,9 +5,9 @@ The down product and its residual add are `dispatch.drafter_residual`.
 Semantics are those of `reference.drafter_swiglu_reference`, casts included: the norm in f32 rounded to x.dtype,
 gate and up accumulated in f32, the SwiGLU rounded to x.dtype. The grid is (row tile, inner tile): program (r, j)
 loads TM rows of x `[M, H]` from row r*TM whole (the hidden size in one tile), takes their norm, multiplies the
-normed rows by gate's and up's `[H, TI]` columns j*TI.. (one dot each: no K loop, so a program is one load, two dots
-and a store) and writes SwiGLU's `[TM, TI]` to the output. Rows past M are masked: no padded copy of x exists outside
-the kernel.
+normed rows by gate's and up's `[H, TI]` columns j*TI.. (one dot each: no K loop, so a program is its loads of x, the
+norm's gain, gate and up, all issued before the norm waits on x, two dots and a store) and writes SwiGLU's `[TM, TI]`
+to the output. Rows past M are masked: no padded copy of x exists outside the kernel.
 
 Every row tile reads the layer's gate and up columns and every program holds a whole `[H, TI]` tile of each, so the
 kernel takes small drafters only (`unsupported`: those tiles within MAX_TILE_BYTES); a large drafter's products are
@@ -30,7 +30,7 @@ from pallas_kernels.reference import DrafterSwigluWeights
 BLOCK_ROWS = 64  # rows per program at most
 BLOCK_INNER = 64  # inner columns per program at most
 MAX_TILE_BYTES = 96 << 10  # x `[TM, H]`, gate and up `[H, TI]` whole in one program: H = 256 in bf16, 128 in f32
-NUM_WARPS = 8  # x `[64, H]` in f32 while it is normed: 64 registers a thread at H = 256
+NUM_WARPS = 8  # x `[64, H]` in f32 (64 registers a thread at H = 256) and gate and up (64 more) live at the norm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,6 +159,16 @@ def test_kernel_equals_the_reference_block(dtype, b, s, nh, kvh, length, project
     assert_close(got, want, dtype, 2.0)
 
 
+@pytest.mark.parametrize("hidden", [256, 96, 80])
+def test_kernel_projects_over_several_tiles(hidden):
+    """Hidden sizes of 2 and 3 projection tiles (128 and 32 wide: the gain's tiles loaded before the loops) and of 5
+    (16 wide: past HOISTED_GAIN_TILES, the gain loaded in the loop)."""
+    args = block_inputs(np.random.default_rng(), 2, 8, 64, 4, 2, jnp.float32, hidden=hidden)
+    got = drafter_attention_pallas(*args, LAYER, EPS, 0.2, project=True, interpret=True)
+    want = drafter_attention_reference(*args, layer=LAYER, eps=EPS, scale=0.2)
+    assert_close(got, want, jnp.float32, 2.0)
+
+
 def test_dispatch_runs_the_kernel_or_the_reference_by_mode():
     args = block_inputs(np.random.default_rng(), 2, 4, 16, 4, 2, jnp.float32)
     kw = {"layer": LAYER, "eps": EPS, "scale": 0.25}
