@@ -43,11 +43,6 @@ def at_length(prompts: Sequence[Sequence[int]], length: int, n: int) -> list[lis
     return [long[starts[i % len(prompts)] :][:length] for i in range(n)]
 
 
-def as_grid(values: np.ndarray) -> tuple[tuple[float, ...], ...]:
-    """A `[batches][contexts]` array as the table's nested tuples of floats."""
-    return tuple(tuple(float(v) for v in row) for row in values)
-
-
 def measure(
     gen: Generator,
     prompts: Sequence[Sequence[int]],
@@ -112,6 +107,7 @@ def measure(
             bar.set_postfix_str(f"batch {b}, context {ctx}")
             bar.update()
     bar.close()
+    accepted = {n: np.where(r > 0, committed[n] / np.maximum(r, 1), 1.0) for n, r in rounds.items()}  # per context
     return CostTable(
         **gen.device_identity(),
         jax_version=jax.__version__,
@@ -119,19 +115,9 @@ def measure(
         drafter=drafter,
         batches=tuple(batches),
         contexts=tuple(contexts),
-        round_ms={n: as_grid(g) for n, g in round_ms.items()},
-        call_ms={n: as_grid(g) for n, g in call_ms.items()},
-        tokens_per_round={
-            c.name: as_grid(
-                np.broadcast_to(
-                    np.where(rounds[c.name] > 0, committed[c.name] / np.maximum(rounds[c.name], 1), 1.0),
-                    (len(batches), len(contexts)),
-                )
-            )
-            if c.method != "ar"
-            else 1.0
-            for c in candidates
-        },
+        round_ms=round_ms,  # `[batches][contexts]` arrays: CostTable holds them as nested tuples of floats
+        call_ms=call_ms,
+        tokens_per_round={c.name: 1.0 if c.method == "ar" else [accepted[c.name]] * len(batches) for c in candidates},
         acceptance_rounds=max(1, min((int(rounds[c.name].sum()) for c in candidates if c.method != "ar"), default=1)),
         settings={"max_new_tokens": max_new_tokens, "repeats": repeats, "kernels": repr(specs[0].kernels)},
     )
