@@ -3,11 +3,14 @@
 
 The page lists every SASS instruction of each profiled kernel with its sampled warp stalls. The memory warpgroup's
 code is the tail of the kernel, from its register-releasing `setmaxnreg` (`USETMAXREG.DEALLOC`) on; everything
-before it is the two compute warpgroups (and the prologue they share). Per kernel the record gives the samples of
-each part, the compute part's shares by stall reason and by opcode, and its most-sampled instructions (#: the
-instruction's index in the kernel).
+before it is the two compute warpgroups (and the prologue they share). A kernel without that instruction (a
+Pallas-Triton kernel, such as the drafter's) is all "compute". Per kernel the record gives the samples of each part,
+the compute part's shares by stall reason and by opcode, and its most-sampled instructions (#: the instruction's
+index in the kernel).
 
     .venv/bin/python -m experiments.ncu_stalls --csv=experiments/results/profiles/ncu_mla_source.csv.gz
+    (the drafter's: --csv=experiments/results/profiles/ncu_drafter_source.csv.gz, --labels one per kernel profiled,
+    --name=ncu_drafter_stalls; PROVENANCE gives the labels)
 """
 
 from __future__ import annotations
