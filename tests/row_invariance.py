@@ -12,13 +12,17 @@ PROBES = 4  # the rows followed through every call (the 1-row call holds the fir
 
 
 def probe_outputs(
-    fn: Callable[..., object], probes: tuple[np.ndarray, ...], filler: Callable[[int], tuple[np.ndarray, ...]], rng
+    fn: Callable[..., object],
+    probes: tuple[np.ndarray, ...],
+    filler: Callable[[int], tuple[np.ndarray, ...]],
+    rng,
+    sizes: tuple[int, ...] = SIZES,
 ) -> list[np.ndarray]:
-    """For each M of SIZES: fn(*inputs) on M rows of `filler(M)` with the first min(M, PROBES) rows of `probes`
+    """For each M of `sizes`: fn(*inputs) on M rows of `filler(M)` with the first min(M, PROBES) rows of `probes`
     (each input's leading axis is the row) written at distinct random positions -> the output rows at those
     positions, in probe order, as float32 bit patterns."""
     outs = []
-    for m in SIZES:
+    for m in sizes:
         pos = rng.choice(m, size=min(m, PROBES), replace=False)
         inputs = [np.array(f) for f in filler(m)]
         for a, p in zip(inputs, probes, strict=True):

@@ -7,23 +7,17 @@ it does not model a register (array) wgmma LHS, so the kernels stage the dequant
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from row_invariance import PROBES, probe_outputs, rows_invariant
+from row_invariance import PROBES, SIZES, probe_outputs, rows_invariant
 
 from pallas_kernels import int4_moe, reference
 
 H, INTER, E, K = 256, 128, 16, 4
-
-
-def _key() -> jax.Array:
-    return jax.random.key(time.time_ns() % (1 << 31))
 
 
 def _weights(key: jax.Array, hidden: int = H, inter: int = INTER) -> dict[str, jax.Array]:
@@ -61,7 +55,7 @@ def _rel_err(out: jax.Array, ref: jax.Array) -> float:
     ],
 )
 def test_moe_swiglu_pallas_matches_reference(t: int, used: int, config) -> None:
-    kw, kr = jax.random.split(_key())
+    kw, kr = jax.random.split(jax.random.key(1))
     wts = _weights(kw)
     x, ids, w = _routing(kr, t, used)
     ref = reference.moe_swiglu_reference(x, ids, w, **wts)
@@ -73,7 +67,7 @@ def test_moe_swiglu_pallas_matches_reference(t: int, used: int, config) -> None:
 
 def test_kernels_write_every_used_row_without_races() -> None:
     """Outputs start as NaN in interpret mode: every row of every tile in use must be written, race-free."""
-    kw, kr = jax.random.split(_key())
+    kw, kr = jax.random.split(jax.random.key(2))
     wts = _weights(kw)
     x, ids, _ = _routing(kr, 11, 7)
     cfg = int4_moe.resolve_config(None, 11, K, E)
@@ -93,7 +87,7 @@ def test_kernels_write_every_used_row_without_races() -> None:
 def test_group_pairs_layout(bt: int) -> None:
     """Against a numpy sort-based grouping: rows, tile experts and tile count."""
     t, k, e = 37, 6, 20
-    ids = np.asarray(jnp.argsort(jax.random.uniform(_key(), (t, e // 2)), axis=-1)[:, :k], np.int32)
+    ids = np.asarray(jnp.argsort(jax.random.uniform(jax.random.key(3), (t, e // 2)), axis=-1)[:, :k], np.int32)
     g = int4_moe.group_pairs(jnp.asarray(ids), e, bt)
     flat = ids.reshape(-1)
     counts = np.bincount(flat, minlength=e)
@@ -108,9 +102,9 @@ def test_group_pairs_layout(bt: int) -> None:
 
 
 def test_rejects_checkpoint_layout_scales() -> None:
-    wts = _weights(_key())
+    wts = _weights(jax.random.key(4))
     wts["gate_up_s"] = wts["gate_up_s"].transpose(0, 2, 1)  # [E, 2I, H/32]: the checkpoint's, not the model's
-    x, ids, w = _routing(_key(), 3, E)
+    x, ids, w = _routing(jax.random.key(5), 3, E)
     with pytest.raises(ValueError, match="group-major"):
         int4_moe.moe_swiglu_pallas(x, ids, w, **wts, interpret=True)
 
@@ -127,7 +121,7 @@ def test_exact_rows_are_bitwise_invariant():
     invariant too, its interpreted wgmma being a per-column numpy product; `test_exact_matmul` shows the check
     catches a tiling chosen from M.)"""
     hidden, inter = 128, 64  # the smallest the kernel takes: the four calls interpret in about 10 s
-    key = _key()
+    key = jax.random.key(6)
     wts = _weights(key, hidden, inter)
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 1 << 30)))
 
@@ -145,8 +139,10 @@ def test_exact_rows_are_bitwise_invariant():
 
 
 def test_exact_reference_sums_in_rank_order():
-    """The reference's exact combine (rank order) agrees with its expert-slot combine; its rows are invariant."""
-    key = _key()
+    """The reference's exact combine (rank order) agrees with its expert-slot combine; its rows are invariant across
+    calls of several rows. Not at one row: its expert products are XLA's dots, and on a CPU a 1-row dot takes a
+    matrix-vector path that sums in another order (12 of 300 seeds flipped a last bit)."""
+    key = jax.random.key(7)
     wts = _weights(key)
     x, ids, w = _routing(key, 9, 6)
     exact = reference.moe_swiglu_reference(x, ids, w, **wts, exact=True)
@@ -157,7 +153,7 @@ def test_exact_reference_sums_in_rank_order():
         return tuple(np.asarray(a) for a in _routing(jax.random.key(int(rng.integers(1 << 30))), t, E))
 
     ref = jax.jit(lambda x, ids, w: reference.moe_swiglu_reference(x, ids, w, **wts, exact=True))
-    assert rows_invariant(probe_outputs(ref, inputs(PROBES), inputs, rng))
+    assert rows_invariant(probe_outputs(ref, inputs(PROBES), inputs, rng, sizes=SIZES[1:]))
 
 
 def test_exact_mode_has_one_tile_size() -> None:
