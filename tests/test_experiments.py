@@ -237,6 +237,15 @@ def test_bench_drafter_tiny(tmp_path):
     assert all(math.isfinite(r["ms"]) and r["context"] == 10 and r["max_diff"] < 0.1 for r in recs)
 
 
+def test_ticket_probe_interpret(tmp_path):
+    """The ticket join in interpret mode: its output equals the residual plus its own partials in head order, and
+    every counter is back at 0 after each call."""
+    run("ticket_probe", "--interpret", "--batches=2", "--checks=2", "--inner=1", "--repeats=1", f"--out_dir={tmp_path}")
+    ticket, two = records(tmp_path / "ticket_probe.json")
+    assert ticket["mismatched_calls"] == 0 and ticket["counters_left"] == 0
+    assert ticket["variant"] == "ticket" and two["variant"] == "two_kernels"
+
+
 def test_bench_round_tiny(tmp_path):
     sweep = tmp_path / "sweep_budget.json"
     sweep.write_text(
