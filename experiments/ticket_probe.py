@@ -4,8 +4,9 @@
     python -m experiments.ticket_probe --interpret --checks=3 --batches=2  # CPU: the logic in interpret mode
 
 The pattern the drafter's fused layer kernels would need (notes_round.md, "reductions across programs without
-nondeterminism"), at the drafter's attention-output shape: B sequences x G heads, one Pallas-Triton program per
-(b, g) multiplying its head's `[R, D]` rows by `[D, N]` weights into an f32 partial `[R, N]`.
+nondeterminism"), at the drafter's attention-output shape (its 8 block rows padded to 16, as Triton dots need): B
+sequences x G heads, one Pallas-Triton program per (b, g) multiplying its head's `[R, D]` rows by `[D, N]` weights
+into an f32 partial `[R, N]`.
 
 * `ticket`: each program stores its partial, waits for its own stores (a CTA barrier), and takes a ticket from its
   sequence's counter (an acquire-release atomic add at GPU scope). The program that draws the last ticket loads the
@@ -14,10 +15,10 @@ nondeterminism"), at the drafter's attention-output shape: B sequences x G heads
 * `two_kernels`: the same kernel without the join, then XLA sums the partials in head order and adds the residual.
 
 Check (`--checks` calls on fresh inputs): the ticket's output must equal, bit for bit, the residual plus its own
-partials summed in head order (the kernel returns them), and every counter must be back at 0; a stale or missing
-partial shows as a mismatch. Timing: `mla_common.per_call_time` over a `lax.fori_loop` whose carry is the whole
-state (the residual takes the output, the counters go round), so nothing is dead code. Writes <out_dir>/<name>.json
-and .md.
+partials summed in head order (the kernel returns them), and every counter must be back at 0 after every call; a
+stale or missing partial shows as a mismatch. Timing: `mla_common.per_call_time` over a `lax.fori_loop` that carries
+the inputs, the counters and the output (each call's output is the next call's residual), the weights an argument of
+the program, so nothing is dead code or a constant. Writes <out_dir>/<name>.json and .md.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ flags.DEFINE_bool("interpret", False, "run the kernel in interpret mode (CPU)")
 flags.DEFINE_string("name", "ticket_probe", "results file name")
 flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 
-COLUMNS = ["variant", "batch", "heads", "checks", "mismatched_calls", "counters_left", "us_per_call"]
+COLUMNS = ["variant", "batch", "heads", "checks", "mismatched_calls", "calls_leaving_counters", "us_per_call"]
 
 
 def _kernel(
@@ -78,7 +79,9 @@ def _kernel(
         count_ref[b] = jnp.int32(0)
 
 
-def call(a, w, resid, counts, *, join: bool, interpret: bool):
+def call(
+    a: jax.Array, w: jax.Array, resid: jax.Array, counts: jax.Array, *, join: bool, interpret: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """a `[B, G, R, D]`, w `[G, D, N]`, resid `[B, R, N]` bf16, counts `[B]` int32 (zeros) -> (y `[B, R, N]`,
     partials `[B, G, R, N]` f32, counts). Without `join`, y is XLA's head-order sum plus the residual."""
     bsz, heads, rows, _ = a.shape
@@ -103,7 +106,7 @@ def call(a, w, resid, counts, *, join: bool, interpret: bool):
     return y, part, counts
 
 
-def _inputs(key, bsz: int):
+def _inputs(key: jax.Array, bsz: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     ka, kw, kr = jax.random.split(key, 3)
     a = jax.random.normal(ka, (bsz, FLAGS.heads, FLAGS.rows, FLAGS.head_dim), jnp.bfloat16)
     w = (jax.random.normal(kw, (FLAGS.heads, FLAGS.head_dim, FLAGS.width)) / FLAGS.head_dim**0.5).astype(jnp.bfloat16)
@@ -112,10 +115,11 @@ def _inputs(key, bsz: int):
 
 
 def check(bsz: int) -> tuple[int, int]:
-    """(calls whose output differs from resid + its partials summed in head order, counters not back at 0)."""
+    """(calls whose output differs from resid + its partials summed in head order, calls after which a counter is
+    not back at 0)."""
     fn = jax.jit(functools.partial(call, join=True, interpret=FLAGS.interpret))
     counts = jnp.zeros((bsz,), jnp.int32)
-    bad = 0
+    bad = left = 0
     for i in range(FLAGS.checks):
         a, w, resid = _inputs(jax.random.key(i), bsz)
         y, part, counts = fn(a, w, resid, counts)
@@ -125,37 +129,44 @@ def check(bsz: int) -> tuple[int, int]:
             total = total + part[:, h]
         want = (np.asarray(resid, np.float32) + total).astype(jnp.bfloat16)
         bad += int(not np.array_equal(np.asarray(y).view(np.uint16), want.view(np.uint16)))
-    return bad, int(np.count_nonzero(np.asarray(counts)))
+        left += int(np.count_nonzero(np.asarray(counts)) > 0)
+    return bad, left
 
 
 def time_variant(bsz: int, join: bool) -> float:
-    """Seconds per call in a loop carrying (a, resid, counts): each call's output is the next call's residual."""
+    """Seconds per call in a loop carrying (a, resid, counts), w an argument: each call's output is the next call's
+    residual."""
     a, w, resid = _inputs(jax.random.key(0), bsz)
     counts = jnp.zeros((bsz,), jnp.int32)
 
     def build(k: int):
-        def body(_, carry):
-            a, resid, counts = carry
-            y, _, counts = call(a, w, resid, counts, join=join, interpret=FLAGS.interpret)
-            return lax.optimization_barrier((a, y, counts))
+        def run(a, w, resid, counts):
+            def body(_, carry):
+                a, resid, counts = carry
+                y, _, counts = call(a, w, resid, counts, join=join, interpret=FLAGS.interpret)
+                return lax.optimization_barrier((a, y, counts))
 
-        loop = jax.jit(lambda a, resid, counts: lax.fori_loop(0, k, body, (a, resid, counts)))
-        return lambda: loop(a, resid, counts)
+            return lax.fori_loop(0, k, body, (a, resid, counts))
+
+        loop = jax.jit(run)
+        return lambda: loop(a, w, resid, counts)
 
     return per_call_time(build, FLAGS.inner, FLAGS.repeats)[0]
 
 
 def main(argv: list[str]) -> None:
     del argv
-    if FLAGS.rows < 16 or FLAGS.head_dim < 16 or FLAGS.width < 16:
-        raise UserError("--rows, --head_dim and --width must each be at least 16 (Triton dots)")
+    sizes = {"rows": FLAGS.rows, "head_dim": FLAGS.head_dim, "width": FLAGS.width}
+    for name, n in sizes.items():
+        if n < 16 or n & (n - 1):
+            raise UserError(f"--{name} must be a power of two of at least 16 (Triton dots), not {n}")
     records = []
     for bsz in (int(b) for b in FLAGS.batches):
         bad, left = check(bsz)
         for variant, join in (("ticket", True), ("two_kernels", False)):
-            rec = {"variant": variant, "batch": bsz, "heads": FLAGS.heads, "checks": FLAGS.checks}
+            rec = {"variant": variant, "batch": bsz, "heads": FLAGS.heads}
             if join:
-                rec |= {"mismatched_calls": bad, "counters_left": left}
+                rec |= {"checks": FLAGS.checks, "mismatched_calls": bad, "calls_leaving_counters": left}
             rec["us_per_call"] = time_variant(bsz, join) * 1e6
             records.append(rec)
             print(rec)

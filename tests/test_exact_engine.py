@@ -35,17 +35,20 @@ def exact_generator() -> Generator:
 def same_everywhere(target, kernels: Kernels) -> bool:
     """Tokens 20..24 of row 1 as decode steps == as a causal block (under its mask, and as the prefill runs it,
     reading the cache) == as a 9-node tree's branch == as decode steps in a batch of 3, bitwise (residuals after
-    every layer and logits)."""
+    every layer and logits). Each forward is a compiled program with the engine's compiler options, as the engine
+    runs it (XLA fuses across ops)."""
     rows = np.random.default_rng(1).integers(3, 97, (3, 25))
-    cache = prefilled(target, kernels, rows[1:2, :20])
-    want = decode_steps(target, kernels, cache, 20, rows[1:2, 20:])
-    block = run_block(target, kernels, cache, 20, rows[1:2, 20:], np.tril(np.ones((1, 5, 5), bool)))
-    prefill = run_block(target, kernels, cache, 20, rows[1:2, 20:], None)
+    cache = prefilled(target, kernels, rows[1:2, :20], jit=True)
+    want = decode_steps(target, kernels, cache, 20, rows[1:2, 20:], jit=True)
+    block = run_block(target, kernels, cache, 20, rows[1:2, 20:], np.tril(np.ones((1, 5, 5), bool)), jit=True)
+    prefill = run_block(target, kernels, cache, 20, rows[1:2, 20:], None, jit=True)
     mask, chain = chain_tree(np.random.default_rng(2), 9, 5)
     tokens = np.random.default_rng(3).integers(3, 97, (1, 9))
     tokens[0, chain] = rows[1, 20:]
-    feats, logits = run_block(target, kernels, cache, 20, tokens, mask[None])
-    batch = decode_steps(target, kernels, prefilled(target, kernels, rows[:, :20]), 20, rows[:, 20:])
+    feats, logits = run_block(target, kernels, cache, 20, tokens, mask[None], jit=True)
+    batch = decode_steps(
+        target, kernels, prefilled(target, kernels, rows[:, :20], jit=True), 20, rows[:, 20:], jit=True
+    )
     got = [block, prefill, (feats[:, chain], logits[:, chain]), (batch[0][1:2], batch[1][1:2])]
     return all(np.array_equal(g, w) for case in got for g, w in zip(case, want, strict=True))
 
