@@ -39,7 +39,7 @@ def random_partials(rng: np.random.Generator, b: int, s: int, rows_pad: int, dv:
 
 @pytest.mark.parametrize(("b", "s", "rows", "rows_pad"), [(2, 5, 64, 64), (1, 3, 136, 192), (2, 1, 40, 64)])
 def test_merge_matches_numpy(b, s, rows, rows_pad):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     o_part, lse, o64, lse64 = random_partials(rng, b, s, rows_pad)
     out = merge_splits(o_part, lse, rows, jnp.bfloat16)
     assert out.shape == (b, rows, 512) and out.dtype == jnp.bfloat16
