@@ -41,6 +41,8 @@
 #   concurrency axis 30 / 15, the context axis 18 / 9). At 5.5-8 s a program (8 compile threads; the 2026-12-06 H100
 #   call compiled 21 in 117 s; the runs themselves take seconds) that is about 5-6.5 min without tables, 3 with.
 #   (STAGES=calibrate) measures only the tables (--calibrate_only; the same 42 programs, about 5-6.5 min).
+#   and (STAGES=ticket) the "last program reduces" join across programs checked bit for bit and timed against a
+#   second kernel, at the drafter's attention-output shape, 32 and 8 sequences (ticket_probe; about 1 min)
 #   Five repeats of 128 tokens: with two of 64, one program timed twice at batch 1 differed by 5% (2026-12-07 H200),
 #   and a table's round time is a difference of two walls; that is enough to mislead it where two candidates are
 #   close. The runs take seconds; compilation takes the minutes.
@@ -128,6 +130,7 @@ want drafter_mini && stage bench_drafter_mini 90 "$PY" -m experiments.bench_draf
 want drafter_mini && stage bench_drafter_mini_xla 60 "$PY" -m experiments.bench_drafter --out_dir="$RES" \
   --drafter_config=checkpoints/kimi-mini-dflash --modes=pallas --concurrency=32 --allocations=256,2048 \
   --projections=xla --name=bench_drafter_mini_xla_projections
+want ticket && stage ticket 120 "$PY" -m experiments.ticket_probe --out_dir="$RES" --batches=32,8
 want drafter && DDTREE_KERNELS=auto,drafter_attention=reference stage breakdown_ref 120 "$PY" -m experiments.breakdown \
   --out_dir="$RES" --methods=ar,dflash,ddtree --budgets=8 --concurrency=32 --noexact --name=breakdown_c32_drafter_reference
 want drafter && stage breakdown_c32 120 "$PY" -m experiments.breakdown --out_dir="$RES" --methods=ar,dflash,ddtree \
