@@ -99,11 +99,17 @@ def call(
         interpret=interpret,
     )(a, w, resid, counts)
     if not join:
-        total = part[:, 0]
-        for h in range(1, heads):
-            total = total + part[:, h]
-        y = (resid.astype(jnp.float32) + total).astype(resid.dtype)
+        y = residual_plus_heads(resid, part)
     return y, part, counts
+
+
+def residual_plus_heads(resid: jax.Array | np.ndarray, part: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
+    """resid `[B, R, N]` + part `[B, G, R, N]` summed over G in head order, in f32, rounded to resid's dtype: the
+    join's arithmetic, on jax arrays (the `two_kernels` variant) or numpy arrays (the check, on the host)."""
+    total = part[:, 0]
+    for h in range(1, part.shape[1]):
+        total = total + part[:, h]
+    return (resid.astype(np.float32) + total).astype(resid.dtype)
 
 
 def _inputs(key: jax.Array, bsz: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -123,11 +129,7 @@ def check(bsz: int) -> tuple[int, int]:
     for i in range(FLAGS.checks):
         a, w, resid = _inputs(jax.random.key(i), bsz)
         y, part, counts = fn(a, w, resid, counts)
-        part = np.asarray(part)
-        total = part[:, 0]
-        for h in range(1, FLAGS.heads):
-            total = total + part[:, h]
-        want = (np.asarray(resid, np.float32) + total).astype(jnp.bfloat16)
+        want = residual_plus_heads(np.asarray(resid), np.asarray(part))
         bad += int(not np.array_equal(np.asarray(y).view(np.uint16), want.view(np.uint16)))
         left += int(np.count_nonzero(np.asarray(counts)) > 0)
     return bad, left
